@@ -1,0 +1,36 @@
+"""Dequantize an FP4Tensor: ``x ~= e2m1_value * block_scale * tensor_scale``.
+
+The product ``e2m1_value * block_scale`` is exact in fp32 (and in bf16: a 2-bit by 4-bit
+significand, within range), so the only rounding is the multiply by the FP32 tensor scale
+(NVFP4), then the cast to ``dtype``. Padding is cropped and the block axis moved back, so the
+result has the source tensor's shape. A NaN scale (a non-finite source block) gives NaN.
+
+Public: ``dequantize``, ``block_values``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .blocks import blocks_of, restore
+from .codes import decode_e2m1, decode_e4m3, decode_ue8m0, unpack_nibbles
+from .layout import with_scale_layout
+from .types import Format, FP4Tensor, ScaleLayout
+
+
+def block_values(q: FP4Tensor) -> torch.Tensor:
+    """q -> [*lead, Lp] float32 ``e2m1_value * block_scale`` (exact; no tensor scale)."""
+    q = with_scale_layout(q, ScaleLayout.PLAIN)
+    decode_scale = decode_e4m3 if q.format is Format.NVFP4 else decode_ue8m0
+    values = blocks_of(decode_e2m1(unpack_nibbles(q.codes)), q.block_len)
+    return (values * decode_scale(q.scales)[..., None]).reshape(*q.lead_shape, q.padded_len)
+
+
+def dequantize(q: FP4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """q -> [q.shape] ``dtype`` tensor."""
+    if not isinstance(q, FP4Tensor):
+        raise TypeError(f"dequantize takes an FP4Tensor, got {type(q).__name__}")
+    values = block_values(q)
+    if q.tensor_scale is not None:
+        values = values * q.tensor_scale
+    return restore(values, q.shape, q.axis).to(dtype)

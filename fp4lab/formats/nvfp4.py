@@ -1,0 +1,100 @@
+"""NVFP4: E2M1 elements in 16-element blocks, an E4M3 scale per block, an FP32 scale per tensor.
+
+Two-level scaling lets the E4M3 block scales use their whole range whatever the tensor's
+magnitude: the tensor scale maps the tensor's amax onto 448 * 6, the largest value a block scale
+times an element can express. Both profiles (types.NVFP4Profile) compute in fp32, one rounding
+per operation, in exactly this order::
+
+    profile te (default: TransformerEngine, torchao training; NUMERICS.md "NVFP4")
+      amax  = max |x| over the tensor (finite values; or the caller's all-reduced global_amax)
+      S_enc = min(2688 / amax, FLT_MAX);  S_enc = 1 if amax == 0 or S_enc == 0;  S_dec = 1 / S_enc
+      s_b   = e4m3(min(block_amax * (S_enc * fp32(1/6)), 448))     no lower clamp: tiny -> 0
+      e_b   = min(1 / (fp32(s_b) * S_dec), FLT_MAX)
+      code  = e2m1(clamp(x * e_b, -6, 6))
+    profile torchao (torchao 0.18 nvfp4_quantize, the PTQ path)
+      S_dec = amax / 2688   (amax == 0: S_dec = 1 / 2688, i.e. as if amax were 1)
+      s_b   = e4m3(clamp((block_amax / 6) / S_dec, 2^-6, 448))    an all-zero block gets 0x08
+      code  = e2m1(clamp(x * ((1 / S_dec) / fp32(s_b)), -6, 6))
+    dequantize: x ~= e2m1_value * fp32(s_b) * S_dec   (the first product is exact)
+
+In the te profile a block whose scale underflows to 0 dequantizes to 0 whatever its codes (its
+elements saturate to +-6 because e_b = FLT_MAX): "flushed", reported by stats.py. The profiles
+disagree on ~0.05% of scale bytes on Gaussian data (the 2^-6 floor and the operation order), and
+on every underflowing block.
+
+2D blocks (16x16, for weights): one amax and one scale per 16x16 tile, replicated into each of
+the tile's 16 row blocks, so a weight and its transpose quantize to the same values.
+
+Rounding: RTNE, or stochastic with rng.py's Philox bytes indexed in the stored [*lead, Lp] order.
+
+Public: ``quantize_nvfp4``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .blocks import block_amax, blocks_of, finite_amax, prepare, stochastic_bytes
+from .codes import E4M3_NAN, FLT_MAX, decode_e4m3, encode_e2m1, encode_e4m3, pack_nibbles
+from .types import Format, FP4Tensor, NVFP4Profile, Rounding
+
+_f32 = lambda v, device: torch.tensor(v, dtype=torch.float32, device=device)  # noqa: E731
+
+
+def quantize_nvfp4(x: torch.Tensor, *, axis: int = -1, block: int | tuple[int, int] = 16,
+                   rounding: str | Rounding = Rounding.RTNE,
+                   seed: int | torch.Generator | None = None,
+                   profile: str | NVFP4Profile = NVFP4Profile.TE,
+                   global_amax: float | torch.Tensor | None = None,
+                   pad: bool = False) -> FP4Tensor:
+    """x: [...] float32/bf16/fp16 -> FP4Tensor with codes [*lead, L/2] and scales [*lead, L/16].
+
+    axis: the contraction axis the 16-element blocks run along; it is stored last.
+    block: 16 (1x16) or (16, 16) (2D tiles; x must be 2D).
+    rounding: "rtne" or "stochastic" (8 random bits per element from ``seed``).
+    seed: int, torch.Generator, or None (drawn from torch's default generator) for stochastic.
+    global_amax: use this amax instead of x's own (e.g. all-reduced across ranks); must be finite.
+    pad: zero-pad the quantized axis (and the other one for 16x16) to the block size.
+    """
+    block2 = _nvfp4_block(block)
+    rounding = Rounding.parse(rounding)
+    profile = NVFP4Profile.parse(profile)
+    xm, axis = prepare(x, axis, block2, pad)
+    dev = xm.device
+    amax = finite_amax(xm) if global_amax is None else _check_amax(global_amax, dev)
+    xb = blocks_of(xm, 16)  # [*lead, nb, 16]
+    b_amax, bad = block_amax(xb, block2[0])  # [*lead, nb]
+
+    if profile is NVFP4Profile.TE:
+        s_enc = torch.clamp(_f32(2688.0, dev) / amax, max=FLT_MAX)
+        s_enc = torch.where((amax == 0) | (s_enc == 0), _f32(1.0, dev), s_enc)
+        s_dec = _f32(1.0, dev) / s_enc
+        scales = encode_e4m3(torch.clamp(b_amax * (s_enc * _f32(1 / 6, dev)), max=448.0))
+        e_b = torch.clamp(_f32(1.0, dev) / (decode_e4m3(scales) * s_dec), max=FLT_MAX)
+    else:
+        s_dec = torch.where(amax == 0, _f32(1.0, dev), amax) / _f32(2688.0, dev)
+        scales = encode_e4m3(torch.clamp((b_amax / _f32(6.0, dev)) / s_dec, 2.0**-6, 448.0))
+        e_b = (_f32(1.0, dev) / s_dec) / decode_e4m3(scales)
+
+    scaled = torch.clamp(xb * e_b[..., None], -6.0, 6.0).reshape(xm.shape)
+    codes = encode_e2m1(scaled, stochastic_bytes(rounding, seed, xm))
+    codes = torch.where(bad[..., None], 0, blocks_of(codes, 16)).reshape(xm.shape)
+    scales = torch.where(bad, E4M3_NAN, scales.view(torch.uint8)).view(torch.float8_e4m3fn)
+    return FP4Tensor(codes=pack_nibbles(codes), scales=scales, tensor_scale=s_dec,
+                     shape=x.shape, axis=axis, block=block2, format=Format.NVFP4,
+                     rounding=rounding, profile=profile)
+
+
+def _nvfp4_block(block: int | tuple[int, int]) -> tuple[int, int]:
+    if block in (16, (1, 16)):
+        return (1, 16)
+    if block == (16, 16):
+        return (16, 16)
+    raise ValueError(f"NVFP4 blocks are 16 (1x16) or (16, 16), got {block!r}")
+
+
+def _check_amax(global_amax: float | torch.Tensor, device: torch.device) -> torch.Tensor:
+    amax = torch.as_tensor(global_amax, dtype=torch.float32, device=device).reshape(())
+    if not bool(torch.isfinite(amax)) or bool(amax < 0):
+        raise ValueError(f"global_amax must be finite and >= 0, got {float(amax)}")
+    return amax

@@ -1,0 +1,119 @@
+"""The named numerics choices (enums) and the quantized-tensor dataclass ``FP4Tensor``.
+
+Every choice where published sources disagree is an enum member whose docstring states the
+formula and its source; functions accept the enum or its string value (``"te"``, ``"rceil"``),
+and anything else is a ``ValueError`` that lists the valid names.
+
+``FP4Tensor`` memory layout: the block axis is moved last, so quantizing ``x: [M, K]`` along
+axis 1 stores ``codes: [M, K/2]`` and along axis 0 stores ``codes: [K, M/2]`` (TE's columnwise
+copy). ``scales`` holds one byte per block along that last axis (``[.., L/16]`` for NVFP4,
+``[.., L/32]`` for MXFP4; 16x16 weight tiles replicate their scale into all 16 rows), or, when
+``scale_layout`` is ``SWIZZLED``, the flat byte buffer of layout.py's 128x4 layout.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+
+class _Choice(str, enum.Enum):
+    @classmethod
+    def parse(cls, value: "str | _Choice") -> "_Choice":
+        if isinstance(value, cls):
+            return value
+        try:
+            return cls(value)
+        except ValueError:
+            names = ", ".join(repr(m.value) for m in cls)
+            raise ValueError(f"unknown {cls.__name__} {value!r}; expected one of {names}") from None
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Format(_Choice):
+    NVFP4 = "nvfp4"
+    """E2M1 elements, 16-element blocks, E4M3 block scale, FP32 tensor scale."""
+    MXFP4 = "mxfp4"
+    """E2M1 elements, 32-element blocks, UE8M0 (power of two) block scale, no tensor scale."""
+
+
+class Rounding(_Choice):
+    RTNE = "rtne"
+    """Round to nearest, ties to even code (0.25 -> 0, 0.75 -> 1, 2.5 -> 2, 5 -> 4)."""
+    STOCHASTIC = "stochastic"
+    """Round |x| up with probability ceil(256 * frac) / 256, frac = (|x| - lo) / (hi - lo): the
+    8-random-bit semantics of Blackwell's cvt.rs.satfinite.e2m1x4.f32; bits from rng.py."""
+
+
+class NVFP4Profile(_Choice):
+    TE = "te"
+    """TransformerEngine / torchao training: S_enc = 2688 / amax (FLT_MAX-clamped, 1 if amax is 0),
+    s_b = e4m3(min(block_amax * (S_enc * fp32(1/6)), 448)) with no lower clamp,
+    elements x * min(1 / (fp32(s_b) * S_dec), FLT_MAX)."""
+    TORCHAO = "torchao"
+    """torchao 0.18 nvfp4_quantize (PTQ): per_tensor_scale = amax / 2688,
+    s_b = e4m3(clamp((block_amax / 6) / per_tensor_scale, 2^-6, 448)),
+    elements x * ((1 / per_tensor_scale) / fp32(s_b))."""
+
+
+class MXScaleMode(_Choice):
+    FLOOR = "floor"
+    """OCP MX v1.0: e = floor(log2(amax)) - 2. Can clip: amax 7.9 -> 2^0 -> 7.9 saturates to 6."""
+    CEIL = "ceil"
+    """e = ceil(log2(amax)) - 2: never clips, but wastes range when amax is a power of two."""
+    EVEN = "even"
+    """Round amax to E2M1's one mantissa bit (half up), then floor (microxcaling / torchao EVEN)."""
+    RCEIL = "rceil"
+    """e = ceil(log2(fp32(amax * fp32(1/6)))): the smallest scale that keeps amax <= 6 * 2^e
+    (cuBLAS / NVIDIA conversions, ModelOpt)."""
+
+
+class ScaleLayout(_Choice):
+    PLAIN = "plain"
+    """scales[..., j] is block j of the row, row-major."""
+    SWIZZLED = "swizzled"
+    """cuBLAS 128x4 / CUTLASS SfKMajorAtom, flat bytes, zero padded (layout.py)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class FP4Tensor:
+    """A tensor quantized to 4-bit codes with block scales. Dequantize with ``dequantize(q)``."""
+
+    codes: torch.Tensor
+    """[*lead, Lp // 2] uint8, two E2M1 codes per byte, element 2i in the low nibble."""
+    scales: torch.Tensor
+    """[*lead, Lp // block_len]: float8_e4m3fn (NVFP4) or uint8 UE8M0 (MXFP4); flat if swizzled."""
+    tensor_scale: torch.Tensor | None
+    """[] float32 decode multiplier S_dec (NVFP4), None for MXFP4."""
+    shape: torch.Size
+    """Logical shape of the source tensor (before moving the axis and padding)."""
+    axis: int
+    """Non-negative index of the quantized (block) axis in ``shape``."""
+    block: tuple[int, int]
+    """(1, 16), (16, 16) for 2D NVFP4 weight tiles, or (1, 32) for MXFP4."""
+    format: Format
+    rounding: Rounding
+    profile: NVFP4Profile | None = None
+    """NVFP4 only."""
+    mx_mode: MXScaleMode | None = None
+    """MXFP4 only."""
+    scale_layout: ScaleLayout = ScaleLayout.PLAIN
+
+    @property
+    def block_len(self) -> int:
+        """Elements per block along the quantized axis."""
+        return self.block[1]
+
+    @property
+    def lead_shape(self) -> torch.Size:
+        """Shape of the stored rows: ``shape`` without the quantized axis (padded for 16x16)."""
+        return self.codes.shape[:-1]
+
+    @property
+    def padded_len(self) -> int:
+        """Stored length of the quantized axis (a multiple of ``block_len``)."""
+        return self.codes.shape[-1] * 2
