@@ -23,8 +23,9 @@ Formats (NUMERICS.md "Element and scale codes")::
     E4M3fn 1-4-3, bias 7, max 448 (0x7E); S.1111.111 is NaN; no Inf
     UE8M0  8 exponent bits, value 2^(e - 127) for e in 0..254; 0xFF is NaN; no zero, no sign
 
-NaN has no E2M1 code: ``encode_e2m1`` maps NaN to +0 and the block quantizers mark the block
-NaN through its scale instead (see nvfp4.py / mxfp4.py).
+NaN has no E2M1 code: ``encode_e2m1`` maps it to +6 (code 7), as PTX's ``cvt...satfinite.e2m1``
+does ("NaN results are converted to positive MAX_NORM"); the block quantizers go further and
+mark a non-finite block NaN through its scale (see blocks.py).
 
 Packing: two E2M1 codes per byte, element 2i in the low nibble, element 2i+1 in the high one.
 
@@ -88,7 +89,7 @@ def encode_e2m1(x: torch.Tensor, rand: torch.Tensor | None = None) -> torch.Tens
     """x: [...] float -> codes: [...] uint8 in 0..15 (bit 3 = sign), one code per element.
 
     Round-to-nearest-even when ``rand`` is None; stochastic rounding with the 8-bit random bytes
-    ``rand`` ([...] uint8, same shape) otherwise. Saturates to +-6; NaN -> 0; -0.0 -> 8.
+    ``rand`` ([...] uint8, same shape) otherwise. Saturates to +-6 (Inf too); NaN -> 7 (+6, as PTX); -0.0 -> 8.
     """
     if rand is not None and (rand.shape != x.shape or rand.dtype != torch.uint8):
         raise ValueError(f"rand must be uint8 of shape {tuple(x.shape)}, "
@@ -98,7 +99,7 @@ def encode_e2m1(x: torch.Tensor, rand: torch.Tensor | None = None) -> torch.Tens
     mag_bits = bits & 0x7FFFFFFF
     nan = mag_bits > 0x7F800000
     code = _encode_magnitude(mag_bits, _E2M1, rand)
-    code = torch.where(nan, 0, code | (sign << 3))
+    code = torch.where(nan, 0x7, code | (sign << 3))
     return code.to(torch.uint8)
 
 
