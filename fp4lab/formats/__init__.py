@@ -8,16 +8,20 @@ GEMM), stats.py (quantization error statistics), types.py (named choices, FP4Ten
 
 from .codes import (decode_e2m1, decode_e4m3, decode_ue8m0, encode_e2m1, encode_e4m3, encode_ue8m0,
                     pack_nibbles, unpack_nibbles)
-from .dequantize import block_values, dequantize
+from .dequantize import block_scales, block_values, dequantize
+from .gemm import emulated_mm, gemm_alpha, scaled_mm
+from .hadamard import HadamardSigns, hadamard_matrix, hadamard_signs, hadamard_transform
 from .layout import swizzle_scales, swizzled_offset, unswizzle_scales, with_scale_layout
 from .mxfp4 import quantize_mxfp4
 from .nvfp4 import quantize_nvfp4
 from .rng import random_bytes
+from .stats import quant_stats
 from .types import Format, FP4Tensor, MXScaleMode, NVFP4Profile, Rounding, ScaleLayout
 
 __all__ = [
     "FP4Tensor", "Format", "MXScaleMode", "NVFP4Profile", "Rounding", "ScaleLayout",
-    "block_values", "decode_e2m1", "decode_e4m3", "decode_ue8m0", "dequantize", "encode_e2m1",
+    "HadamardSigns", "block_scales", "block_values", "emulated_mm", "gemm_alpha", "hadamard_matrix",
+    "hadamard_signs", "hadamard_transform", "quant_stats", "scaled_mm", "decode_e2m1", "decode_e4m3", "decode_ue8m0", "dequantize", "encode_e2m1",
     "encode_e4m3", "encode_ue8m0", "pack_nibbles", "quantize_mxfp4", "quantize_nvfp4",
     "random_bytes", "swizzle_scales", "swizzled_offset", "unpack_nibbles", "unswizzle_scales",
     "with_scale_layout",

@@ -205,7 +205,7 @@ def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
         raise TypeError(f"codes must be uint8, got {codes.dtype}")
     if codes.shape[-1] % 2:
         raise ValueError(f"cannot pack an odd last dimension: shape {tuple(codes.shape)}")
-    pairs = codes.reshape(*codes.shape[:-1], -1, 2)
+    pairs = codes.reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2)
     return (pairs[..., 0] & 0xF) | ((pairs[..., 1] & 0xF) << 4)
 
 
@@ -213,4 +213,4 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     """packed: [..., n] uint8 -> [..., 2n] uint8 codes (low nibble first)."""
     if packed.dtype != torch.uint8:
         raise TypeError(f"packed codes must be uint8, got {packed.dtype}")
-    return torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(*packed.shape[:-1], -1)
+    return torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(*packed.shape[:-1], 2 * packed.shape[-1])

@@ -5,7 +5,7 @@ significand, within range), so the only rounding is the multiply by the FP32 ten
 (NVFP4), then the cast to ``dtype``. Padding is cropped and the block axis moved back, so the
 result has the source tensor's shape. A NaN scale (a non-finite source block) gives NaN.
 
-Public: ``dequantize``, ``block_values``.
+Public: ``dequantize``, ``block_values``, ``block_scales``.
 """
 
 from __future__ import annotations
@@ -18,12 +18,16 @@ from .layout import with_scale_layout
 from .types import Format, FP4Tensor, ScaleLayout
 
 
+def block_scales(q: FP4Tensor) -> torch.Tensor:
+    """q -> [*lead, Lp / block_len] float32 decoded block scales (E4M3 or UE8M0), plain layout."""
+    q = with_scale_layout(q, ScaleLayout.PLAIN)
+    return (decode_e4m3 if q.format is Format.NVFP4 else decode_ue8m0)(q.scales)
+
+
 def block_values(q: FP4Tensor) -> torch.Tensor:
     """q -> [*lead, Lp] float32 ``e2m1_value * block_scale`` (exact; no tensor scale)."""
-    q = with_scale_layout(q, ScaleLayout.PLAIN)
-    decode_scale = decode_e4m3 if q.format is Format.NVFP4 else decode_ue8m0
     values = blocks_of(decode_e2m1(unpack_nibbles(q.codes)), q.block_len)
-    return (values * decode_scale(q.scales)[..., None]).reshape(*q.lead_shape, q.padded_len)
+    return (values * block_scales(q)[..., None]).reshape(*q.lead_shape, q.padded_len)
 
 
 def dequantize(q: FP4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -25,10 +25,9 @@ from __future__ import annotations
 
 import torch
 
-from .codes import decode_e2m1, decode_e4m3, decode_ue8m0, unpack_nibbles
-from .dequantize import block_values
-from .layout import with_scale_layout
-from .types import Format, FP4Tensor, ScaleLayout
+from .codes import decode_e2m1, unpack_nibbles
+from .dequantize import block_scales, block_values
+from .types import FP4Tensor
 
 
 def _operand(q: FP4Tensor, name: str) -> int:
@@ -61,13 +60,10 @@ def gemm_alpha(qa: FP4Tensor, qb: FP4Tensor) -> torch.Tensor:
 def scaled_mm(qa: FP4Tensor, qb: FP4Tensor, *, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """qa: A [M, K], qb: B [N, K], both quantized along K -> C = A @ B^T: [M, N] ``out_dtype``."""
     m, n = _check_pair(qa, qb)
-    qa = with_scale_layout(qa, ScaleLayout.PLAIN)
-    qb = with_scale_layout(qb, ScaleLayout.PLAIN)
-    decode_scale = decode_e4m3 if qa.format is Format.NVFP4 else decode_ue8m0
     bl = qa.block_len
     a = decode_e2m1(unpack_nibbles(qa.codes[:m])).reshape(m, -1, bl)  # [M, nb, bl]
     b = decode_e2m1(unpack_nibbles(qb.codes[:n])).reshape(n, -1, bl)  # [N, nb, bl]
-    sa, sb = decode_scale(qa.scales[:m]), decode_scale(qb.scales[:n])  # [M, nb], [N, nb]
+    sa, sb = block_scales(qa)[:m], block_scales(qb)[:n]  # [M, nb], [N, nb]
     acc = torch.zeros(m, n, dtype=torch.float32, device=a.device)
     for j in range(a.shape[1]):
         partial = a[:, j, :] @ b[:, j, :].T  # exact: multiples of 1/4 below 2^12

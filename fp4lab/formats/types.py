@@ -103,6 +103,20 @@ class FP4Tensor:
     """MXFP4 only."""
     scale_layout: ScaleLayout = ScaleLayout.PLAIN
 
+    def __post_init__(self) -> None:
+        # accept the string names too, and check what a hand-built tensor could get wrong
+        for name, kind in (("format", Format), ("rounding", Rounding), ("scale_layout", ScaleLayout),
+                           ("profile", NVFP4Profile), ("mx_mode", MXScaleMode)):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, kind.parse(value))
+        object.__setattr__(self, "shape", torch.Size(self.shape))
+        if self.codes.dtype != torch.uint8:
+            raise TypeError(f"codes must be packed uint8, got {self.codes.dtype}")
+        scale_dtype = torch.float8_e4m3fn if self.format is Format.NVFP4 else torch.uint8
+        if self.scales.dtype != scale_dtype:
+            raise TypeError(f"{self.format} scales must be {scale_dtype}, got {self.scales.dtype}")
+
     @property
     def block_len(self) -> int:
         """Elements per block along the quantized axis."""

@@ -1,0 +1,70 @@
+"""``fp4lab`` command line: parses arguments, then calls the library. Nothing else lives here."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+
+def _block(text: str) -> int | tuple[int, int]:
+    if text in ("16", "1x16"):
+        return 16
+    if text == "16x16":
+        return (16, 16)
+    raise argparse.ArgumentTypeError(f"block must be 16 or 16x16, got {text!r}")
+
+
+def _add_encoding_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--format", choices=["nvfp4", "mxfp4", "both"], default="both",
+                   help="FP4 format to measure (default: both)")
+    p.add_argument("--profile", choices=["te", "torchao"], default="te", help="NVFP4 profile")
+    p.add_argument("--mode", choices=["floor", "ceil", "even", "rceil"], default="floor",
+                   help="MXFP4 scale mode")
+    p.add_argument("--block", type=_block, default=16, help="NVFP4 block: 16 or 16x16 (2D tensors)")
+    p.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
+
+
+def _inspect(path: Path, args: argparse.Namespace) -> int:
+    from .inspect import InspectConfig, format_table, inspect_tensors, load_tensors
+
+    tensors = load_tensors(path)
+    formats = ["nvfp4", "mxfp4"] if args.format == "both" else [args.format]
+    rows = []
+    for fmt in formats:
+        config = InspectConfig(format=fmt, profile=args.profile, mode=args.mode, block=args.block)
+        rows += inspect_tensors(tensors, config)
+    if args.json:
+        print(json.dumps({"file": str(path), "tensors": rows}, indent=1))
+    else:
+        print(f"{path}: {len(tensors)} tensors")
+        print(format_table(rows))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="fp4lab", description="Bit-exact FP4 (NVFP4, MXFP4) research tools")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("inspect", help="quantize each floating tensor of a file and tabulate the error")
+    p.add_argument("file", type=Path, help="a .safetensors file or a torch file of tensors")
+    _add_encoding_args(p)
+    p = sub.add_parser("demo", help="generate LLM-shaped tensors and inspect them in NVFP4 and MXFP4")
+    p.add_argument("--out", type=Path, default=None, help="where to write the demo tensors")
+    _add_encoding_args(p)
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "inspect":
+            return _inspect(args.file, args)
+        from .inspect import write_demo_tensors
+        with tempfile.TemporaryDirectory() as tmp:
+            path = write_demo_tensors(args.out or Path(tmp) / "demo.safetensors")
+            return _inspect(path, args)
+    except (ValueError, TypeError, FileNotFoundError) as exc:
+        print(f"fp4lab {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

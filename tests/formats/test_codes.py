@@ -1,0 +1,145 @@
+"""E2M1 / E4M3 / UE8M0 codecs: every code, every byte, every bf16 input, and the named ties."""
+
+import math
+
+import pytest
+import torch
+
+from fp4lab.formats import codes as C
+from tests.formats import oracle
+
+ALL_BF16 = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+
+
+def test_e2m1_every_code_decodes_to_the_table():
+    values = C.decode_e2m1(torch.arange(16, dtype=torch.uint8))
+    expected = oracle.E2M1_VALUES + [-v for v in oracle.E2M1_VALUES]
+    assert values.tolist() == expected
+    assert math.copysign(1.0, values[8].item()) == -1.0  # code 8 is -0.0
+
+
+def test_e2m1_every_code_round_trips():
+    codes = torch.arange(16, dtype=torch.uint8)
+    assert torch.equal(C.encode_e2m1(C.decode_e2m1(codes)), codes)
+
+
+# NUMERICS.md "E2M1": ties to even code, saturation, signed zero
+E2M1_CASES = [(0.25, 0), (0.75, 2), (1.25, 2), (1.75, 4), (2.5, 4), (3.5, 6), (5.0, 6),
+              (0.2500001, 1), (0.7499999, 1), (4.9999995, 6), (5.0000005, 7),
+              (6.0, 7), (7.0, 7), (1e30, 7), (math.inf, 7), (-0.0, 8), (-0.25, 8), (-5.0, 14),
+              (-math.inf, 15), (math.nan, 7), (1e-45, 0)]
+
+
+@pytest.mark.parametrize("value,code", E2M1_CASES, ids=[str(v) for v, _ in E2M1_CASES])
+def test_e2m1_named_cases(value, code):
+    assert C.encode_e2m1(torch.tensor([value])).item() == code
+
+
+def test_e2m1_every_bf16_input_matches_the_oracle():
+    got = C.encode_e2m1(ALL_BF16).tolist()
+    expected = [oracle.e2m1(v) for v in ALL_BF16.float().tolist()]
+    assert got == expected
+
+
+def test_e2m1_random_fp32_matches_the_oracle():
+    g = torch.Generator().manual_seed(1)
+    bits = torch.randint(-2**31, 2**31, (20000,), generator=g, dtype=torch.int64).to(torch.int32)
+    x = torch.cat([bits.view(torch.float32) % 8, torch.randn(20000, generator=g) * 3])
+    assert C.encode_e2m1(x).tolist() == [oracle.e2m1(v) for v in x.tolist()]
+
+
+def test_e2m1_stochastic_probability_is_exact_over_all_256_random_bytes():
+    # every bf16 magnitude in [0, 6]: count of r in 0..255 that round up must be ceil(256 * frac)
+    mags = ALL_BF16.float()
+    mags = mags[(mags >= 0) & (mags <= 6) & ~mags.isnan()].unique()
+    r = torch.arange(256, dtype=torch.uint8)
+    x = mags[:, None].expand(-1, 256).contiguous()
+    up_codes = C.encode_e2m1(x, r.expand_as(x).contiguous())
+    values = C.decode_e2m1(up_codes)
+    grid = torch.tensor(oracle.E2M1_VALUES)
+    lo = grid[torch.searchsorted(grid, mags, right=True) - 1]
+    hi = grid[torch.clamp(torch.searchsorted(grid, mags, right=True), max=7)]
+    step = torch.where(hi > lo, hi - lo, 1.0)
+    frac = (mags - lo) / step
+    assert bool(((values == lo[:, None]) | (values == hi[:, None])).all())
+    n_up = (values > lo[:, None]).sum(1)
+    assert torch.equal(n_up, torch.ceil(256 * frac).long())
+
+
+def test_e2m1_stochastic_keeps_sign_and_saturates():
+    x = torch.tensor([-2.5, 7.0, -math.inf])
+    for r in (0, 255):
+        codes = C.encode_e2m1(x, torch.full((3,), r, dtype=torch.uint8))
+        assert codes[0].item() in (12, 13) and codes[1].item() == 7 and codes[2].item() == 15
+
+
+def test_e4m3_every_byte_decodes_like_torch():
+    b = torch.arange(256, dtype=torch.uint8)
+    ours, theirs = C.decode_e4m3(b), b.view(torch.float8_e4m3fn).float()
+    assert torch.equal(ours.isnan(), theirs.isnan()) and ours.isnan().sum() == 2
+    assert torch.equal(ours.nan_to_num(0.0), theirs.nan_to_num(0.0))
+
+
+def test_e4m3_every_finite_byte_round_trips():
+    b = torch.tensor([i for i in range(256) if i & 0x7F != 0x7F], dtype=torch.uint8)
+    assert torch.equal(C.encode_e4m3(C.decode_e4m3(b)).view(torch.uint8), b)
+
+
+def test_e4m3_every_bf16_input_matches_oracle_and_torch_in_range():
+    x = ALL_BF16.float()
+    got = C.encode_e4m3(x).view(torch.uint8)
+    finite = ~x.isnan()
+    expected = torch.tensor([oracle.e4m3(v) for v in x[finite].tolist()], dtype=torch.uint8)
+    assert torch.equal(got[finite], expected)
+    assert bool((got[~finite] == 0x7F).all())
+    in_range = finite & (x.abs() <= 448)
+    assert torch.equal(got[in_range], x[in_range].to(torch.float8_e4m3fn).view(torch.uint8))
+
+
+@pytest.mark.parametrize("value,byte", [(448.0, 0x7E), (463.9, 0x7E), (464.0, 0x7E), (1e9, 0x7E),
+                                        (math.inf, 0x7E), (-math.inf, 0xFE), (2.0**-9, 0x01),
+                                        (2.0**-10, 0x00), (1.5 * 2.0**-10, 0x01), (-0.0, 0x80)])
+def test_e4m3_saturation_and_subnormal_ties(value, byte):
+    assert C.encode_e4m3(torch.tensor([value])).view(torch.uint8).item() == byte
+
+
+def test_e4m3_has_exactly_18_powers_of_two():
+    v = C.decode_e4m3(torch.arange(1, 0x7F, dtype=torch.uint8))
+    powers = sorted(x for x in v.tolist() if math.frexp(x)[0] == 0.5)
+    assert powers == [2.0**k for k in range(-9, 9)]
+
+
+def test_ue8m0_every_byte():
+    b = torch.arange(256, dtype=torch.uint8)
+    v = C.decode_ue8m0(b)
+    assert math.isnan(v[255].item())
+    assert v[:255].tolist() == [2.0 ** (i - 127) for i in range(255)]
+
+
+def test_ue8m0_encode_range():
+    assert C.encode_ue8m0(torch.tensor([-127, 0, 127])).tolist() == [0, 127, 254]
+    with pytest.raises(ValueError, match="128"):
+        C.encode_ue8m0(torch.tensor([128]))
+    with pytest.raises(TypeError):
+        C.encode_ue8m0(torch.tensor([1.0]))
+
+
+def test_floor_and_ceil_log2_exact_on_every_positive_bf16_and_subnormals():
+    x = ALL_BF16.float()
+    x = x[(x > 0) & x.isfinite()]
+    x = torch.cat([x, torch.tensor([1e-45, 2e-45, 3e-45, 2.0**-149, 2.0**-126, 3.4e38])])
+    floors, ceils = C.floor_log2(x).tolist(), C.ceil_log2(x).tolist()
+    for v, f, c in zip(x.tolist(), floors, ceils):
+        m, e = math.frexp(v)
+        assert f == e - 1 and c == (e - 1 if m == 0.5 else e)
+
+
+def test_nibble_packing_low_nibble_first():
+    codes = torch.tensor([[1, 2, 3, 15]], dtype=torch.uint8)
+    packed = C.pack_nibbles(codes)
+    assert packed.tolist() == [[0x21, 0xF3]]
+    assert torch.equal(C.unpack_nibbles(packed), codes)
+    with pytest.raises(ValueError, match="odd"):
+        C.pack_nibbles(torch.zeros(3, dtype=torch.uint8))
+    with pytest.raises(TypeError):
+        C.unpack_nibbles(torch.zeros(2, dtype=torch.int32))
