@@ -13,6 +13,7 @@ copy). ``scales`` holds one byte per block along that last axis (``[.., L/16]`` 
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
 
@@ -116,6 +117,12 @@ class FP4Tensor:
         scale_dtype = torch.float8_e4m3fn if self.format is Format.NVFP4 else torch.uint8
         if self.scales.dtype != scale_dtype:
             raise TypeError(f"{self.format} scales must be {scale_dtype}, got {self.scales.dtype}")
+
+    def to(self, device: torch.device | str) -> "FP4Tensor":
+        """The same tensor with its codes and scales on ``device``."""
+        scale = None if self.tensor_scale is None else self.tensor_scale.to(device)
+        return dataclasses.replace(self, codes=self.codes.to(device), scales=self.scales.to(device),
+                                   tensor_scale=scale)
 
     @property
     def block_len(self) -> int:

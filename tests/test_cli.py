@@ -1,0 +1,40 @@
+"""`fp4lab inspect` and `fp4lab demo` as a user runs them."""
+
+import json
+
+import torch
+from safetensors.torch import save_file
+
+from fp4lab.cli import main
+
+
+def test_demo_prints_a_table_for_both_formats(capsys):
+    assert main(["demo"]) == 0
+    out = capsys.readouterr().out
+    assert "nvfp4/te/1x16" in out and "mxfp4/floor" in out and "SQNR dB" in out
+
+
+def test_inspect_safetensors_json(tmp_path, capsys):
+    path = tmp_path / "w.safetensors"
+    save_file({"w": torch.randn(32, 48), "ids": torch.arange(5), "odd": torch.randn(3, 20)}, str(path))
+    assert main(["inspect", str(path), "--format", "nvfp4", "--block", "16x16", "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)["tensors"]}
+    assert rows["w"]["encoding"] == "nvfp4/te/16x16" and 15 < rows["w"]["sqnr_db"] < 25
+    assert "skipped" in rows["ids"] and rows["odd"]["shape"] == [3, 20]
+
+
+def test_inspect_nested_torch_file(tmp_path, capsys):
+    path = tmp_path / "ckpt.pt"
+    torch.save({"model": {"a": torch.randn(4, 32).bfloat16()}, "step": torch.tensor(3.0), "ids": torch.arange(3)}, path)
+    assert main(["inspect", str(path), "--format", "mxfp4", "--mode", "rceil"]) == 0
+    out = capsys.readouterr().out
+    assert "model.a" in out and "mxfp4/rceil" in out and "scalar or empty" in out and "int64" in out
+
+
+def test_corrupt_and_missing_files_get_a_clear_error(tmp_path, capsys):
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json")
+    assert main(["inspect", str(bad)]) == 2
+    assert "not a readable safetensors file" in capsys.readouterr().err
+    assert main(["inspect", str(tmp_path / "nope.pt")]) == 2
+    assert "no such file" in capsys.readouterr().err
