@@ -81,7 +81,7 @@ def test_requantizing_a_dequantized_tensor_is_exact(mode, seed):
 def test_non_clipping_modes_are_within_half_a_step(rows, blocks, seed, mode, dtype):
     x = sample((rows, 32 * blocks), seed).to(dtype).float()
     q = quantize_mxfp4(x.to(dtype), mode=mode)
-    s = torch.ldexp(torch.ones(()), q.scales.long() - 127)[..., None]
+    s = torch.ldexp(torch.ones(q.scales.shape), q.scales.long() - 127)[..., None]
     v = x.reshape(rows, blocks, 32).abs() / s
     assert bool((v <= 6).all())
     half_step = torch.where(v < 2, 0.25, torch.where(v < 4, 0.5, 1.0)) * s
