@@ -27,7 +27,7 @@ the tile's 16 row blocks, so a weight and its transpose quantize to the same val
 
 Rounding: RTNE, or stochastic with rng.py's Philox bytes indexed in the stored [*lead, Lp] order.
 
-Public: ``quantize_nvfp4``.
+Public: ``quantize_nvfp4``, ``nvfp4_tensor_terms``, ``nvfp4_block_scales``.
 """
 
 from __future__ import annotations
@@ -60,22 +60,12 @@ def quantize_nvfp4(x: torch.Tensor, *, axis: int = -1, block: int | tuple[int, i
     rounding = Rounding.parse(rounding)
     profile = NVFP4Profile.parse(profile)
     xm, axis = prepare(x, axis, block2, pad)
-    dev = xm.device
-    amax = finite_amax(xm) if global_amax is None else _check_amax(global_amax, dev)
+    amax = finite_amax(xm) if global_amax is None else _check_amax(global_amax, xm.device)
     xb = blocks_of(xm, 16)  # [*lead, nb, 16]
     b_amax, bad = block_amax(xb, block2[0])  # [*lead, nb]
 
-    if profile is NVFP4Profile.TE:
-        s_enc = torch.clamp(_f32(2688.0, dev) / amax, max=FLT_MAX)
-        s_enc = torch.where((amax == 0) | (s_enc == 0), _f32(1.0, dev), s_enc)
-        s_dec = _f32(1.0, dev) / s_enc
-        scales = encode_e4m3(torch.clamp(b_amax * (s_enc * _f32(1 / 6, dev)), max=448.0))
-        e_b = torch.clamp(_f32(1.0, dev) / (decode_e4m3(scales) * s_dec), max=FLT_MAX)
-    else:
-        s_dec = torch.where(amax == 0, _f32(1.0, dev), amax) / _f32(2688.0, dev)
-        scales = encode_e4m3(torch.clamp((b_amax / _f32(6.0, dev)) / s_dec, 2.0**-6, 448.0))
-        e_b = (_f32(1.0, dev) / s_dec) / decode_e4m3(scales)
-
+    s_dec, block_mult = nvfp4_tensor_terms(amax, profile)
+    scales, e_b = nvfp4_block_scales(b_amax, s_dec, block_mult, profile)
     scaled = torch.clamp(xb * e_b[..., None], -6.0, 6.0).reshape(xm.shape)
     codes = encode_e2m1(scaled, stochastic_bytes(rounding, seed, xm))
     codes = torch.where(bad[..., None], 0, blocks_of(codes, 16)).reshape(xm.shape)
@@ -83,6 +73,31 @@ def quantize_nvfp4(x: torch.Tensor, *, axis: int = -1, block: int | tuple[int, i
     return FP4Tensor(codes=pack_nibbles(codes), scales=scales, tensor_scale=s_dec,
                      shape=x.shape, axis=axis, block=block2, format=Format.NVFP4,
                      rounding=rounding, profile=profile)
+
+
+def nvfp4_tensor_terms(amax: torch.Tensor, profile: NVFP4Profile) -> tuple[torch.Tensor, torch.Tensor]:
+    """amax: [] float32 -> (S_dec, block multiplier), both [] float32.
+
+    te: the multiplier is S_enc * fp32(1/6), applied to block amax; torchao: it is 1 / S_dec,
+    the numerator of the element scale. Fast paths call this too, so the scalars are shared.
+    """
+    dev = amax.device
+    if profile is NVFP4Profile.TE:
+        s_enc = torch.clamp(_f32(2688.0, dev) / amax, max=FLT_MAX)
+        s_enc = torch.where((amax == 0) | (s_enc == 0), _f32(1.0, dev), s_enc)
+        return _f32(1.0, dev) / s_enc, s_enc * _f32(1 / 6, dev)
+    s_dec = torch.where(amax == 0, _f32(1.0, dev), amax) / _f32(2688.0, dev)
+    return s_dec, _f32(1.0, dev) / s_dec
+
+
+def nvfp4_block_scales(b_amax: torch.Tensor, s_dec: torch.Tensor, block_mult: torch.Tensor,
+                       profile: NVFP4Profile) -> tuple[torch.Tensor, torch.Tensor]:
+    """b_amax: [...] float32 -> (block scales [...] float8_e4m3fn, element scales e_b [...] float32)."""
+    if profile is NVFP4Profile.TE:
+        scales = encode_e4m3(torch.clamp(b_amax * block_mult, max=448.0))
+        return scales, torch.clamp(1.0 / (decode_e4m3(scales) * s_dec), max=FLT_MAX)
+    scales = encode_e4m3(torch.clamp((b_amax / 6.0) / s_dec, 2.0**-6, 448.0))
+    return scales, block_mult / decode_e4m3(scales)
 
 
 def _nvfp4_block(block: int | tuple[int, int]) -> tuple[int, int]:
