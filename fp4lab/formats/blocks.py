@@ -8,7 +8,7 @@ amax are taken over finite values only, so the rest of the tensor quantizes as i
 were absent. (TE's kernels instead let an Inf drive amax to Inf, which collapses S_enc to 1 for
 the whole tensor; torchao lets NaN reach every scale. Neither is worth matching bit for bit.)
 
-Public: ``prepare``, ``blocks_of``, ``block_amax``, ``stochastic_bytes``, ``restore``.
+Public: ``check_input``, ``prepare``, ``blocks_of``, ``block_amax``, ``stochastic_bytes``, ``restore``.
 """
 
 from __future__ import annotations
@@ -21,11 +21,8 @@ from .types import Rounding
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def prepare(x: torch.Tensor, axis: int, block: tuple[int, int], pad: bool) -> tuple[torch.Tensor, int]:
-    """x: [...] float -> (xm: [*lead, Lp] float32 with the block axis last and padded, axis >= 0).
-
-    2D blocks (16x16) need a 2D x; both dimensions are then padded (or must divide) by 16.
-    """
+def check_input(x: torch.Tensor, axis: int, block: tuple[int, int], pad: bool) -> tuple[int, list[int]]:
+    """Validate a block-quantization request -> (axis >= 0, zero padding [quantized axis, other])."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in FLOAT_DTYPES:
@@ -38,12 +35,21 @@ def prepare(x: torch.Tensor, axis: int, block: tuple[int, int], pad: bool) -> tu
     rows, cols = block
     if rows != 1 and x.dim() != 2:
         raise ValueError(f"{rows}x{cols} blocks need a 2D tensor, got shape {tuple(x.shape)}")
-    xm = x.movedim(axis, -1).to(torch.float32)
-    pads = [_padding(xm.shape[-1], cols, "quantized axis", x.shape, axis, pad)]
+    pads = [_padding(x.shape[axis], cols, "quantized axis", x.shape, axis, pad), 0]
     if rows != 1:
-        pads.append(_padding(xm.shape[0], rows, "other axis", x.shape, axis, pad))
+        pads[1] = _padding(x.shape[1 - axis], rows, "other axis", x.shape, axis, pad)
+    return axis, pads
+
+
+def prepare(x: torch.Tensor, axis: int, block: tuple[int, int], pad: bool) -> tuple[torch.Tensor, int]:
+    """x: [...] float -> (xm: [*lead, Lp] float32 with the block axis last and padded, axis >= 0).
+
+    2D blocks (16x16) need a 2D x; both dimensions are then padded (or must divide) by 16.
+    """
+    axis, pads = check_input(x, axis, block, pad)
+    xm = x.movedim(axis, -1).to(torch.float32)
     if any(pads):
-        xm = torch.nn.functional.pad(xm, [0, pads[0]] + ([0, pads[1]] if rows != 1 else []))
+        xm = torch.nn.functional.pad(xm, [0, pads[0]] + ([0, pads[1]] if block[0] != 1 else []))
     return xm.contiguous(), axis
 
 

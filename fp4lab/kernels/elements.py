@@ -1,0 +1,90 @@
+"""Triton device functions for FP4 element and scale codes, mirroring fp4lab.formats.codes.
+
+Each helper computes exactly what its reference twin computes, so the kernels built from them
+are byte-identical to fp4lab.formats (tested exhaustively under TRITON_INTERPRET=1):
+
+    e2m1_rtne(v)          |v| <= 6 fp32 -> magnitude code, ties to even, by threshold compares:
+                          code = [v > .25] + [v >= .75] + [v > 1.25] + [v >= 1.75] + [v > 2.5]
+                                 + [v >= 3.5] + [v > 5]   (each tie goes to the even code)
+    e2m1_stochastic(v, r) round |v| up iff r * step < (|v| - lo) * 256, all terms exact in fp32:
+                          the integer rule of codes._shift_round, ceil(256 frac)/256 up-probability
+    e4m3_rtne(y)          0 <= y <= 448 fp32 -> E4M3 byte, codes._encode_magnitude in int32
+    e4m3_value(b)         E4M3 byte -> fp32 (exact, from the bit fields)
+    philox_bytes(seed, g) Philox4x32-10 of counter g -> the 16 bytes of group g (rng.py's layout)
+    pack_nibble_pairs(c)  [.., 2n] codes -> [.., n] bytes, element 2i in the low nibble
+
+Public: the functions above (``@triton.jit``, callable from kernels only).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def e2m1_rtne(v):
+    """v: fp32 magnitudes in [0, 6] -> int32 codes 0..7."""
+    code = (v > 0.25).to(tl.int32) + (v >= 0.75).to(tl.int32) + (v > 1.25).to(tl.int32)
+    code += (v >= 1.75).to(tl.int32) + (v > 2.5).to(tl.int32) + (v >= 3.5).to(tl.int32)
+    return code + (v > 5.0).to(tl.int32)
+
+
+@triton.jit
+def e2m1_stochastic(v, r):
+    """v: fp32 magnitudes in [0, 6]; r: int32 random bytes -> int32 codes 0..7."""
+    lo = (v >= 0.5).to(tl.int32) + (v >= 1.0).to(tl.int32) + (v >= 1.5).to(tl.int32)
+    lo += (v >= 2.0).to(tl.int32) + (v >= 3.0).to(tl.int32) + (v >= 4.0).to(tl.int32)
+    lo += (v >= 6.0).to(tl.int32)
+    lo_value = tl.where(lo < 4, lo.to(tl.float32) * 0.5, tl.where(lo == 4, 2.0, tl.where(lo == 5, 3.0,
+                        tl.where(lo == 6, 4.0, 6.0))))
+    step = tl.where(lo < 4, 0.5, tl.where(lo < 6, 1.0, 2.0))
+    up = r.to(tl.float32) * step < (v - lo_value) * 256.0
+    return lo + up.to(tl.int32)
+
+
+@triton.jit
+def e4m3_rtne(y):
+    """y: fp32 in [0, 448], finite -> int32 E4M3 bytes 0..0x7E (round to nearest even)."""
+    bits = y.to(tl.int32, bitcast=True)
+    exp = bits >> 23
+    sig = (bits & 0x7FFFFF) | tl.where(exp > 0, 0x800000, 0)
+    te = tl.maximum(exp, 1) - 120  # target biased exponent: - 127 + 7
+    s = tl.minimum(20 + tl.maximum(1 - te, 0), 25)
+    one = tl.full(s.shape, 1, tl.int32)
+    q = sig >> s
+    rem = sig & ((one << s) - 1)
+    half = one << (s - 1)
+    up = (rem > half) | ((rem == half) & ((q & 1) == 1))
+    code = (tl.maximum(te - 1, 0) << 3) + q + up.to(tl.int32)
+    return tl.minimum(code, 0x7E)
+
+
+@triton.jit
+def e4m3_value(b):
+    """b: int32 E4M3 bytes (NaN excluded) -> fp32 values."""
+    e = (b >> 3) & 0xF
+    m = b & 7
+    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    value = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)  # subnormal: m * 2^-9
+    return tl.where((b & 0x80) != 0, -value, value)
+
+
+@triton.jit
+def philox_bytes(seed, group):
+    """group: [R, G] int64 group indices -> [R, G, 16] int32 random bytes (rng.random_bytes)."""
+    c0 = (group & 0xFFFFFFFF).to(tl.uint32)
+    c1 = (group >> 32).to(tl.uint32)
+    zero = tl.zeros_like(c0)
+    w0, w1, w2, w3 = tl.philox(seed, c0, c1, zero, zero)
+    j = tl.arange(0, 16)
+    word = tl.where(j < 4, w0[:, :, None], tl.where(j < 8, w1[:, :, None],
+                    tl.where(j < 12, w2[:, :, None], w3[:, :, None])))
+    return ((word >> (8 * (j % 4)).to(tl.uint32)) & 0xFF).to(tl.int32)
+
+
+@triton.jit
+def pack_nibble_pairs(codes, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """codes: [ROWS, COLS] int32 nibbles -> [ROWS, COLS // 2] uint8, element 2i low."""
+    lo, hi = tl.split(tl.reshape(codes, (ROWS, COLS // 2, 2)))
+    return (lo | (hi << 4)).to(tl.uint8)

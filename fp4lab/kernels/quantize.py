@@ -1,0 +1,184 @@
+"""Triton NVFP4 and MXFP4 quantization: one pass over x, byte-identical to fp4lab.formats.
+
+One kernel serves both formats. Each program loads a [BR, BC] tile of x through two strides, so
+quantizing along the last axis and along axis 0 of a 2D tensor (the transposed, "columnwise"
+copy TE keeps for Wgrad) are the same kernel with the strides swapped; output is always written
+in the stored layout (block axis last). Per tile: finite-masked block amax (16x16 tiles reduce
+over 16 rows too), the block scale by the format's rule (SCALE_RULE below, formulas in
+formats/nvfp4.py and formats/mxfp4.py), scale the elements, encode E2M1 (RTNE or stochastic
+with Philox bytes, one Philox call per 16 elements), pack nibbles, store codes and scale bytes.
+The tensor amax is a separate pass (amax.py) unless the caller supplies it; the per-tensor
+scalars come from formats.nvfp4.nvfp4_tensor_terms on the device, so they are the reference's.
+
+Bytes per element for NVFP4 with bf16 input: 2 read + 0.5 codes + 1/16 scale = 2.5625.
+
+Public: ``quantize_nvfp4``, ``quantize_mxfp4`` (same signatures as fp4lab.formats).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..formats.blocks import check_input, resolve_seed
+from ..formats.mxfp4 import MX_BLOCK
+from ..formats.nvfp4 import _check_amax, _nvfp4_block, nvfp4_tensor_terms
+from ..formats.types import Format, FP4Tensor, MXScaleMode, NVFP4Profile, Rounding
+from .amax import finite_amax
+from .elements import e2m1_rtne, e2m1_stochastic, e4m3_rtne, e4m3_value, pack_nibble_pairs, philox_bytes
+
+# SCALE_RULE values
+TE, TORCHAO = 0, 1
+MX_RULES = {MXScaleMode.FLOOR: 2, MXScaleMode.CEIL: 3, MXScaleMode.EVEN: 4, MXScaleMode.RCEIL: 5}
+FLT_MAX = 3.4028234663852886e38
+
+
+@triton.jit
+def _mx_exponent(bamax, RULE: tl.constexpr):
+    """bamax: fp32 >= 0 finite -> int32 unbiased exponent in [-127, 127] (formats.mxfp4.mx_exponent)."""
+    bits = bamax.to(tl.int32, bitcast=True)
+    exp, man = (bits >> 23) - 127, bits & 0x7FFFFF
+    if RULE == 2:
+        e = exp - 2
+    elif RULE == 3:
+        e = exp + (man != 0).to(tl.int32) - 2
+    elif RULE == 4:
+        e = exp + (man >= 0x600000).to(tl.int32) - 2
+    else:
+        qbits = (bamax * 0.1666666716337204).to(tl.int32, bitcast=True)  # fp32(1/6)
+        qexp, qman = (qbits >> 23) - 127, qbits & 0x7FFFFF
+        e = qexp + (qman != 0).to(tl.int32)
+        # an fp32-subnormal quotient: ceil(log2) is -126 above 2^-127, else clamped to -127
+        e = tl.where(qexp == -127, tl.where(qman > 0x400000, -126, -127), e)
+    e = tl.minimum(tl.maximum(e, -127), 127)
+    return tl.where(bamax == 0, -127, e)
+
+
+@triton.jit
+def _fp4_quantize_kernel(x_ptr, codes_ptr, scales_ptr, terms_ptr, seed,
+                         R, L, R_OUT, LP, stride_r, stride_c,
+                         SCALE_RULE: tl.constexpr, BLOCK: tl.constexpr, TILE_ROWS: tl.constexpr,
+                         STOCHASTIC: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+    NB: tl.constexpr = BC // BLOCK
+    rows = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
+    cols = (tl.program_id(1) * BC + tl.arange(0, BC)).to(tl.int64)
+    inside = (rows[:, None] < R) & (cols[None, :] < L)
+    x = tl.load(x_ptr + rows[:, None] * stride_r + cols[None, :] * stride_c, mask=inside, other=0.0)
+    x = tl.reshape(x.to(tl.float32), (BR, NB, BLOCK))
+
+    finite = (x.to(tl.int32, bitcast=True) & 0x7FFFFFFF) < 0x7F800000
+    bamax = tl.max(tl.where(finite, tl.abs(x), 0.0), axis=2)  # [BR, NB]
+    bad = tl.max((~finite).to(tl.int32), axis=2)
+    if TILE_ROWS > 1:  # one amax per 16x16 tile, replicated to its 16 rows
+        tile_amax = tl.max(tl.reshape(bamax, (BR // TILE_ROWS, TILE_ROWS, NB)), axis=1)
+        bamax = tl.reshape(tl.broadcast_to(tile_amax[:, None, :], (BR // TILE_ROWS, TILE_ROWS, NB)), (BR, NB))
+        tile_bad = tl.max(tl.reshape(bad, (BR // TILE_ROWS, TILE_ROWS, NB)), axis=1)
+        bad = tl.reshape(tl.broadcast_to(tile_bad[:, None, :], (BR // TILE_ROWS, TILE_ROWS, NB)), (BR, NB))
+
+    if SCALE_RULE == 0:  # NVFP4 te: s_b = e4m3(min(amax_b * (S_enc/6), 448)), e_b = 1/(s_b S_dec)
+        s_dec = tl.load(terms_ptr)
+        sbyte = e4m3_rtne(tl.minimum(bamax * tl.load(terms_ptr + 1), 448.0))
+        e_b = tl.minimum(tl.div_rn(tl.full(bamax.shape, 1.0, tl.float32), e4m3_value(sbyte) * s_dec), FLT_MAX)
+        nan_byte = 0x7F
+    elif SCALE_RULE == 1:  # NVFP4 torchao: s_b = e4m3(clamp(amax_b/6/S_dec, 2^-6, 448)), e_b = (1/S_dec)/s_b
+        s_dec = tl.load(terms_ptr)
+        sbyte = e4m3_rtne(tl.minimum(tl.maximum(tl.div_rn(tl.div_rn(bamax, 6.0), s_dec), 0.015625), 448.0))
+        e_b = tl.div_rn(tl.load(terms_ptr + 1) + tl.zeros_like(bamax), e4m3_value(sbyte))
+        nan_byte = 0x7F
+    else:  # MXFP4: s_b = 2^e, e_b = 2^-e exactly
+        e = _mx_exponent(bamax, SCALE_RULE)
+        sbyte = e + 127
+        e_b = tl.where(e == 127, (0x400000 + tl.zeros_like(e)), (127 - e) << 23).to(tl.float32, bitcast=True)
+        nan_byte = 0xFF
+
+    v = tl.minimum(tl.maximum(x * e_b[:, :, None], -6.0), 6.0)
+    vbits = v.to(tl.int32, bitcast=True)
+    mag = (vbits & 0x7FFFFFFF).to(tl.float32, bitcast=True)
+    if STOCHASTIC:  # group g = row * LP/16 + col/16: rng.random_bytes over the stored layout
+        groups = rows[:, None] * (LP // 16) + (tl.program_id(1) * (BC // 16) + tl.arange(0, BC // 16))[None, :]
+        rand = tl.reshape(philox_bytes(seed, groups), (BR, NB, BLOCK))
+        code = e2m1_stochastic(mag, rand)
+    else:
+        code = e2m1_rtne(mag)
+    code = code | (((vbits >> 31) & 1) << 3)
+    code = tl.where(bad[:, :, None] > 0, 0, code)
+    sbyte = tl.where(bad > 0, nan_byte, sbyte)
+
+    packed = pack_nibble_pairs(tl.reshape(code, (BR, BC)), BR, BC)
+    pcols = tl.program_id(1) * (BC // 2) + tl.arange(0, BC // 2)
+    keep = rows[:, None] < R_OUT
+    tl.store(codes_ptr + rows[:, None] * (LP // 2) + pcols[None, :], packed, mask=keep & (pcols[None, :] < LP // 2))
+    scols = tl.program_id(1) * NB + tl.arange(0, NB)
+    tl.store(scales_ptr + rows[:, None] * (LP // BLOCK) + scols[None, :], sbyte.to(tl.uint8),
+             mask=keep & (scols[None, :] < LP // BLOCK))
+
+
+def _strided_2d(x: torch.Tensor, axis: int) -> tuple[torch.Tensor, int, int, int, int]:
+    """x -> (tensor to read, rows R, length L, row stride, column stride) with the block axis as
+    columns; axis 0 of a 2D tensor is read transposed in place, other layouts are made contiguous."""
+    if x.dim() == 2 and axis == 0:
+        return x, x.shape[1], x.shape[0], x.stride(1), x.stride(0)
+    xm = x.movedim(axis, -1).contiguous()
+    length = xm.shape[-1]
+    rows = xm.numel() // length if length else xm.shape[:-1].numel()
+    return xm, rows, length, length, 1
+
+
+def _launch(x: torch.Tensor, axis: int, block: tuple[int, int], pad: bool, rule: int,
+            terms: torch.Tensor | None, stochastic: bool, seed: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    axis, pads = check_input(x, axis, block, pad)
+    src, rows, length, stride_r, stride_c = _strided_2d(x, axis)
+    lp, rows_out = length + pads[0], rows + pads[1]
+    lead = list(x.shape)
+    lead.pop(axis)
+    if block[0] != 1:
+        lead = [rows_out]
+    codes = torch.empty(*lead, lp // 2, dtype=torch.uint8, device=x.device)
+    scales = torch.empty(*lead, lp // block[1], dtype=torch.uint8, device=x.device)
+    if codes.numel():
+        br, bc = 32, 128
+        grid = (triton.cdiv(rows_out, br), triton.cdiv(lp, bc))
+        _fp4_quantize_kernel[grid](src, codes, scales, terms if terms is not None else codes, seed,
+                                   rows, length, rows_out, lp, stride_r, stride_c,
+                                   SCALE_RULE=rule, BLOCK=block[1], TILE_ROWS=block[0],
+                                   STOCHASTIC=stochastic, BR=br, BC=bc)
+    return codes, scales, axis
+
+
+def _seed(rounding: Rounding, seed: int | torch.Generator | None) -> int:
+    if rounding is Rounding.RTNE:
+        return 0
+    value = resolve_seed(seed)
+    if not 0 <= value < 2**63:
+        raise ValueError(f"the Triton path takes seeds in [0, 2**63), got {value}")
+    return value
+
+
+def quantize_nvfp4(x: torch.Tensor, *, axis: int = -1, block: int | tuple[int, int] = 16,
+                   rounding: str | Rounding = Rounding.RTNE, seed: int | torch.Generator | None = None,
+                   profile: str | NVFP4Profile = NVFP4Profile.TE,
+                   global_amax: float | torch.Tensor | None = None, pad: bool = False) -> FP4Tensor:
+    """Triton twin of fp4lab.formats.quantize_nvfp4 (same arguments, same bytes)."""
+    block2, rounding, profile = _nvfp4_block(block), Rounding.parse(rounding), NVFP4Profile.parse(profile)
+    check_input(x, axis, block2, pad)
+    amax = finite_amax(x) if global_amax is None else _check_amax(global_amax, x.device)
+    s_dec, mult = nvfp4_tensor_terms(amax, profile)
+    terms = torch.stack([s_dec, mult]).contiguous()
+    rule = TE if profile is NVFP4Profile.TE else TORCHAO
+    codes, scales, axis = _launch(x, axis, block2, pad, rule, terms, rounding is Rounding.STOCHASTIC,
+                                  _seed(rounding, seed))
+    return FP4Tensor(codes=codes, scales=scales.view(torch.float8_e4m3fn), tensor_scale=s_dec,
+                     shape=x.shape, axis=axis, block=block2, format=Format.NVFP4, rounding=rounding,
+                     profile=profile)
+
+
+def quantize_mxfp4(x: torch.Tensor, *, axis: int = -1, mode: str | MXScaleMode = MXScaleMode.FLOOR,
+                   rounding: str | Rounding = Rounding.RTNE, seed: int | torch.Generator | None = None,
+                   pad: bool = False) -> FP4Tensor:
+    """Triton twin of fp4lab.formats.quantize_mxfp4 (same arguments, same bytes)."""
+    mode, rounding = MXScaleMode.parse(mode), Rounding.parse(rounding)
+    codes, scales, axis = _launch(x, axis, (1, MX_BLOCK), pad, MX_RULES[mode], None,
+                                  rounding is Rounding.STOCHASTIC, _seed(rounding, seed))
+    return FP4Tensor(codes=codes, scales=scales, tensor_scale=None, shape=x.shape, axis=axis,
+                     block=(1, MX_BLOCK), format=Format.MXFP4, rounding=rounding, mx_mode=mode)
