@@ -1,0 +1,92 @@
+"""fp4lab.kernels: fast paths with fp4lab.formats' signatures and bytes, chosen per call.
+
+``Backend`` picks the implementation: AUTO (the default) runs Triton for CUDA tensors and the
+reference (fp4lab.formats) for everything else; REFERENCE forces the reference (for debugging);
+TRITON forces Triton (CUDA, or any device under TRITON_INTERPRET=1). The environment variable
+FP4LAB_BACKEND sets the default. Where Triton is missing, AUTO warns once and uses the reference.
+Triton is imported here lazily, so this package imports on a machine without it.
+
+Files: elements.py (device functions for codes), quantize.py (NVFP4/MXFP4 quantize),
+amax.py (tensor amax pass), decode.py (dequantize).
+
+Public: ``Backend``, ``quantize_nvfp4``, ``quantize_mxfp4``, ``dequantize``, ``fake_quantize``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import warnings
+
+import torch
+
+from .. import formats
+from ..formats.types import FP4Tensor, _Choice
+
+
+class Backend(_Choice):
+    AUTO = "auto"
+    """Triton for CUDA tensors, the reference otherwise."""
+    REFERENCE = "reference"
+    """fp4lab.formats, on any device."""
+    TRITON = "triton"
+    """fp4lab.kernels' Triton kernels (CUDA, or TRITON_INTERPRET=1)."""
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def _use_triton(x: torch.Tensor, backend: str | Backend | None) -> bool:
+    choice = Backend.parse(backend or os.environ.get("FP4LAB_BACKEND", "auto"))
+    if choice is Backend.REFERENCE:
+        return False
+    has_triton = importlib.util.find_spec("triton") is not None
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if choice is Backend.TRITON:
+        if not has_triton:
+            raise RuntimeError("backend='triton' needs the triton package (pip install triton)")
+        if not (x.is_cuda or interpreted):
+            raise RuntimeError(f"backend='triton' needs a CUDA tensor or TRITON_INTERPRET=1, got {x.device}")
+        return True
+    if x.is_cuda and not has_triton:
+        _warn_once("triton is not installed: fp4lab uses its (slow) reference kernels on CUDA")
+        return False
+    return x.is_cuda
+
+
+def quantize_nvfp4(x: torch.Tensor, *, backend: str | Backend | None = None, **kwargs) -> FP4Tensor:
+    """fp4lab.formats.quantize_nvfp4 on the chosen backend (same keyword arguments)."""
+    if _use_triton(x, backend):
+        from .quantize import quantize_nvfp4 as fast
+        return fast(x, **kwargs)
+    return formats.quantize_nvfp4(x, **kwargs)
+
+
+def quantize_mxfp4(x: torch.Tensor, *, backend: str | Backend | None = None, **kwargs) -> FP4Tensor:
+    """fp4lab.formats.quantize_mxfp4 on the chosen backend (same keyword arguments)."""
+    if _use_triton(x, backend):
+        from .quantize import quantize_mxfp4 as fast
+        return fast(x, **kwargs)
+    return formats.quantize_mxfp4(x, **kwargs)
+
+
+def dequantize(q: FP4Tensor, dtype: torch.dtype = torch.float32, *,
+               backend: str | Backend | None = None) -> torch.Tensor:
+    """fp4lab.formats.dequantize on the chosen backend."""
+    if _use_triton(q.codes, backend):
+        from .decode import dequantize as fast
+        return fast(q, dtype)
+    return formats.dequantize(q, dtype)
+
+
+def fake_quantize(x: torch.Tensor, fmt: str = "nvfp4", *, backend: str | Backend | None = None,
+                  **kwargs) -> torch.Tensor:
+    """dequantize(quantize(x)) in x's dtype and shape: what an FP4 GEMM operand really holds."""
+    quantize = quantize_nvfp4 if formats.Format.parse(fmt) is formats.Format.NVFP4 else quantize_mxfp4
+    return dequantize(quantize(x, backend=backend, **kwargs), x.dtype, backend=backend)

@@ -13,11 +13,13 @@ import torch
 import triton
 import triton.language as tl
 
+from .elements import widen
+
 
 @triton.jit
-def _finite_amax_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+def _finite_amax_kernel(x_ptr, out_ptr, n, BF16_BITS: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+    x = widen(tl.load(x_ptr + offs, mask=offs < n, other=0), BF16_BITS)
     bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
     bits = tl.where(bits < 0x7F800000, bits, 0)  # NaN and Inf do not count
     tl.atomic_max(out_ptr, tl.max(bits, axis=0))
@@ -29,5 +31,7 @@ def finite_amax(x: torch.Tensor) -> torch.Tensor:
     out = torch.zeros(1, dtype=torch.int32, device=x.device)
     if flat.numel():
         block = 4096
-        _finite_amax_kernel[(triton.cdiv(flat.numel(), block),)](flat, out, flat.numel(), BLOCK=block)
+        bf16 = flat.dtype == torch.bfloat16
+        _finite_amax_kernel[(triton.cdiv(flat.numel(), block),)](flat.view(torch.int16) if bf16 else flat, out,
+                                                                 flat.numel(), BF16_BITS=bf16, BLOCK=block)
     return out.view(torch.float32).reshape(())

@@ -11,6 +11,8 @@ are byte-identical to fp4lab.formats (tested exhaustively under TRITON_INTERPRET
     e4m3_rtne(y)          0 <= y <= 448 fp32 -> E4M3 byte, codes._encode_magnitude in int32
     e4m3_value(b)         E4M3 byte -> fp32 (exact, from the bit fields)
     philox_bytes(seed, g) Philox4x32-10 of counter g -> the 16 bytes of group g (rng.py's layout)
+    widen(x, BF16_BITS)   loaded input (bf16 as int16 bits) -> fp32, exactly
+    to_bf16_rtne(x)       fp32 -> bf16 round to nearest even, in integers (same on every backend)
     pack_nibble_pairs(c)  [.., 2n] codes -> [.., n] bytes, element 2i in the low nibble
 
 Public: the functions above (``@triton.jit``, callable from kernels only).
@@ -68,6 +70,24 @@ def e4m3_value(b):
     normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
     value = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)  # subnormal: m * 2^-9
     return tl.where((b & 0x80) != 0, -value, value)
+
+
+@triton.jit
+def widen(x, BF16_BITS: tl.constexpr):
+    """Loaded input -> fp32. bf16 arrives as its int16 bits and is widened by a shift, exact on
+    every backend (Triton's interpreter mis-converts bf16 subnormals)."""
+    if BF16_BITS:
+        return (x.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def to_bf16_rtne(x):
+    """x: fp32 -> bf16, round to nearest even done in integers (the interpreter truncates)."""
+    bits = x.to(tl.int32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    nan = (bits & 0x7FFFFFFF) > 0x7F800000
+    return tl.where(nan, 0x7FC0, rounded).to(tl.int16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit

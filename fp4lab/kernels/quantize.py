@@ -26,7 +26,7 @@ from ..formats.mxfp4 import MX_BLOCK
 from ..formats.nvfp4 import _check_amax, _nvfp4_block, nvfp4_tensor_terms
 from ..formats.types import Format, FP4Tensor, MXScaleMode, NVFP4Profile, Rounding
 from .amax import finite_amax
-from .elements import e2m1_rtne, e2m1_stochastic, e4m3_rtne, e4m3_value, pack_nibble_pairs, philox_bytes
+from .elements import e2m1_rtne, e2m1_stochastic, e4m3_rtne, e4m3_value, pack_nibble_pairs, philox_bytes, widen
 
 # SCALE_RULE values
 TE, TORCHAO = 0, 1
@@ -59,13 +59,14 @@ def _mx_exponent(bamax, RULE: tl.constexpr):
 def _fp4_quantize_kernel(x_ptr, codes_ptr, scales_ptr, terms_ptr, seed,
                          R, L, R_OUT, LP, stride_r, stride_c,
                          SCALE_RULE: tl.constexpr, BLOCK: tl.constexpr, TILE_ROWS: tl.constexpr,
-                         STOCHASTIC: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+                         STOCHASTIC: tl.constexpr, BF16_BITS: tl.constexpr,
+                         BR: tl.constexpr, BC: tl.constexpr):
     NB: tl.constexpr = BC // BLOCK
     rows = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
     cols = (tl.program_id(1) * BC + tl.arange(0, BC)).to(tl.int64)
     inside = (rows[:, None] < R) & (cols[None, :] < L)
     x = tl.load(x_ptr + rows[:, None] * stride_r + cols[None, :] * stride_c, mask=inside, other=0.0)
-    x = tl.reshape(x.to(tl.float32), (BR, NB, BLOCK))
+    x = tl.reshape(widen(x, BF16_BITS), (BR, NB, BLOCK))
 
     finite = (x.to(tl.int32, bitcast=True) & 0x7FFFFFFF) < 0x7F800000
     bamax = tl.max(tl.where(finite, tl.abs(x), 0.0), axis=2)  # [BR, NB]
@@ -139,10 +140,11 @@ def _launch(x: torch.Tensor, axis: int, block: tuple[int, int], pad: bool, rule:
     if codes.numel():
         br, bc = 32, 128
         grid = (triton.cdiv(rows_out, br), triton.cdiv(lp, bc))
-        _fp4_quantize_kernel[grid](src, codes, scales, terms if terms is not None else codes, seed,
+        bf16 = src.dtype == torch.bfloat16
+        _fp4_quantize_kernel[grid](src.view(torch.int16) if bf16 else src, codes, scales, terms if terms is not None else codes, seed,
                                    rows, length, rows_out, lp, stride_r, stride_c,
                                    SCALE_RULE=rule, BLOCK=block[1], TILE_ROWS=block[0],
-                                   STOCHASTIC=stochastic, BR=br, BC=bc)
+                                   STOCHASTIC=stochastic, BF16_BITS=bf16, BR=br, BC=bc)
     return codes, scales, axis
 
 

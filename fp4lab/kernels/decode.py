@@ -1,0 +1,77 @@
+"""Triton dequantize (and the quantize-dequantize "fake quant" built on it), byte-identical to
+fp4lab.formats.dequantize: value = (e2m1 * block_scale) * tensor_scale, then one cast.
+
+Works in the stored layout [rows, Lp] and hands back the same view the reference returns
+(padding cropped, block axis moved back). Swizzled scales are unswizzled first.
+
+Public: ``dequantize``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..formats.blocks import restore
+from ..formats.layout import with_scale_layout
+from ..formats.types import Format, FP4Tensor, ScaleLayout
+from .elements import e4m3_value, to_bf16_rtne
+
+_OUT_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@triton.jit
+def _e2m1_value(c):
+    """c: int32 nibbles -> fp32 values (0, .5, 1, 1.5, 2, 3, 4, 6 and negatives)."""
+    e, m = (c >> 1) & 3, c & 1
+    mag = tl.where(e == 0, m.to(tl.float32) * 0.5, (((e + 126) << 23) | (m << 22)).to(tl.float32, bitcast=True))
+    return tl.where((c & 8) != 0, -mag, mag)
+
+
+@triton.jit
+def _dequantize_kernel(codes_ptr, scales_ptr, tscale_ptr, out_ptr, ROWS, LP,
+                       BLOCK: tl.constexpr, NVFP4: tl.constexpr, BF16: tl.constexpr,
+                       BR: tl.constexpr, BC: tl.constexpr):
+    NB: tl.constexpr = BC // BLOCK
+    rows = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
+    pcols = tl.program_id(1) * (BC // 2) + tl.arange(0, BC // 2)
+    keep = rows[:, None] < ROWS
+    packed = tl.load(codes_ptr + rows[:, None] * (LP // 2) + pcols[None, :],
+                     mask=keep & (pcols[None, :] < LP // 2), other=0).to(tl.int32)
+    codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BR, NB, BLOCK))
+    scols = tl.program_id(1) * NB + tl.arange(0, NB)
+    sbyte = tl.load(scales_ptr + rows[:, None] * (LP // BLOCK) + scols[None, :],
+                    mask=keep & (scols[None, :] < LP // BLOCK), other=0).to(tl.int32)
+    if NVFP4:
+        scale = tl.where((sbyte & 0x7F) == 0x7F, float("nan"), e4m3_value(sbyte))
+    else:
+        scale = tl.where(sbyte == 0, 0x400000, sbyte << 23).to(tl.float32, bitcast=True)
+        scale = tl.where(sbyte == 0xFF, float("nan"), scale)
+    values = tl.reshape(_e2m1_value(codes) * scale[:, :, None], (BR, BC))
+    if NVFP4:
+        values = values * tl.load(tscale_ptr)
+    cols = tl.program_id(1) * BC + tl.arange(0, BC)
+    if BF16:
+        values = to_bf16_rtne(values)
+    tl.store(out_ptr + rows[:, None] * LP + cols[None, :], values,
+             mask=keep & (cols[None, :] < LP))
+
+
+def dequantize(q: FP4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Triton twin of fp4lab.formats.dequantize."""
+    if not isinstance(q, FP4Tensor):
+        raise TypeError(f"dequantize takes an FP4Tensor, got {type(q).__name__}")
+    if dtype not in _OUT_DTYPES:  # e.g. float16: the fp32 result, cast once, as the reference does
+        return dequantize(q, torch.float32).to(dtype)
+    q = with_scale_layout(q, ScaleLayout.PLAIN)
+    rows, lp = q.lead_shape.numel(), q.padded_len
+    out = torch.empty(*q.lead_shape, lp, dtype=dtype, device=q.codes.device)
+    if out.numel():
+        nvfp4 = q.format is Format.NVFP4
+        br, bc = 32, 128
+        grid = (triton.cdiv(rows, br), triton.cdiv(lp, bc))
+        _dequantize_kernel[grid](q.codes, q.scales.view(torch.uint8), q.tensor_scale if nvfp4 else q.codes,
+                                 out, rows, lp, BLOCK=q.block_len, NVFP4=nvfp4,
+                                 BF16=dtype == torch.bfloat16, BR=br, BC=bc)
+    return restore(out, q.shape, q.axis)

@@ -1,0 +1,75 @@
+"""The Triton device functions against fp4lab.formats.codes, exhaustively."""
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
+
+from fp4lab.formats import codes as C  # noqa: E402
+from fp4lab.formats.rng import philox4x32, random_bytes  # noqa: E402
+from fp4lab.kernels.elements import (e2m1_rtne, e2m1_stochastic, e4m3_rtne, e4m3_value,  # noqa: E402
+                                     philox_bytes, to_bf16_rtne)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ALL_BF16 = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+
+
+@triton.jit
+def _codes_kernel(x_ptr, r_ptr, rtne_ptr, sr_ptr, e4m3_ptr, back_ptr, bf16_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    x = tl.load(x_ptr + offs, mask=m, other=0.0)
+    r = tl.load(r_ptr + offs, mask=m, other=0).to(tl.int32)
+    v = tl.minimum(tl.abs(x), 6.0)
+    tl.store(rtne_ptr + offs, e2m1_rtne(v), mask=m)
+    tl.store(sr_ptr + offs, e2m1_stochastic(v, r), mask=m)
+    b = e4m3_rtne(tl.minimum(tl.abs(x), 448.0))
+    tl.store(e4m3_ptr + offs, b, mask=m)
+    tl.store(back_ptr + offs, e4m3_value(b), mask=m)
+    tl.store(bf16_ptr + offs, to_bf16_rtne(x * 1.0009765625), mask=m)  # off the bf16 grid
+
+
+def run_codes(x, r):
+    n = x.numel()
+    outs = [torch.empty(n, dtype=torch.int32, device=DEVICE) for _ in range(3)]
+    back = torch.empty(n, dtype=torch.float32, device=DEVICE)
+    bf16 = torch.empty(n, dtype=torch.bfloat16, device=DEVICE)
+    _codes_kernel[(triton.cdiv(n, 1024),)](x.to(DEVICE), r.to(DEVICE), *outs, back, bf16, n, BLOCK=1024)
+    return [o.cpu() for o in outs] + [back.cpu(), bf16.cpu()]
+
+
+def test_every_bf16_value_and_random_byte_encodes_like_the_reference():
+    x = ALL_BF16[~ALL_BF16.isnan()]
+    r = random_bytes(5, x.numel())
+    rtne, sr, e4m3, back, bf16 = run_codes(x, r)
+    v = x.abs().clamp(max=6.0)
+    assert torch.equal(rtne, C.encode_e2m1(v).long().int())
+    assert torch.equal(sr, C.encode_e2m1(v, r).int())
+    ref = C.encode_e4m3(x.abs().clamp(max=448.0))
+    assert torch.equal(e4m3, ref.view(torch.uint8).int())
+    assert torch.equal(back, C.decode_e4m3(ref))
+    assert torch.equal(bf16.view(torch.int16), (x * 1.0009765625).to(torch.bfloat16).view(torch.int16))
+
+
+def test_stochastic_rounding_over_all_256_bytes():
+    mags = ALL_BF16[(ALL_BF16 >= 0) & (ALL_BF16 <= 6)].unique()
+    x = mags.repeat_interleave(256)
+    r = torch.arange(256, dtype=torch.uint8).repeat(mags.numel())
+    _, sr, *_ = run_codes(x, r)
+    assert torch.equal(sr, C.encode_e2m1(x, r).int())
+
+
+@triton.jit
+def _philox_kernel(out_ptr, seed, G: tl.constexpr):
+    groups = tl.arange(0, G).to(tl.int64)[None, :] + (1 << 33)  # a counter past 32 bits
+    b = philox_bytes(seed, groups)  # [1, G, 16]
+    tl.store(out_ptr + tl.arange(0, G)[None, :, None] * 16 + tl.arange(0, 16)[None, None, :], b)
+
+
+def test_philox_bytes_match_rng():
+    out = torch.empty(64 * 16, dtype=torch.int32, device=DEVICE)
+    _philox_kernel[(1,)](out, 12345, G=64)
+    words = torch.stack(philox4x32(12345, torch.arange(2**33, 2**33 + 64)), -1)  # [64, 4]
+    ref = (words[:, :, None] >> torch.tensor([0, 8, 16, 24])) & 0xFF  # byte j = word j//4, shift 8(j%4)
+    assert torch.equal(out.cpu(), ref.reshape(-1).int())

@@ -1,0 +1,128 @@
+"""Triton quantize / dequantize kernels: the same bytes as fp4lab.formats on every path.
+
+On a machine without a GPU these run in Triton's interpreter (tests/conftest.py), at small sizes;
+on the device machine the same tests run on CUDA.
+"""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+pytest.importorskip("triton")
+
+from fp4lab import formats, kernels  # noqa: E402
+from fp4lab.kernels.amax import finite_amax  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def assert_same(fast, ref):
+    assert fast.codes.shape == ref.codes.shape and fast.scales.shape == ref.scales.shape
+    assert torch.equal(fast.codes.cpu(), ref.codes)
+    assert torch.equal(fast.scales.cpu().view(torch.uint8), ref.scales.view(torch.uint8))
+    if ref.tensor_scale is not None:
+        assert fast.tensor_scale.item() == ref.tensor_scale.item()
+    assert (fast.shape, fast.axis, fast.block, fast.format) == (ref.shape, ref.axis, ref.block, ref.format)
+
+
+def hard_input(shape, seed, dtype=torch.float32):
+    """Log-normal row magnitudes (underflowing and saturating blocks), zeros, NaN, Inf, subnormals."""
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.randn(shape[0], *[1] * (len(shape) - 1), generator=g)
+    x = torch.randn(shape, generator=g) * torch.exp(4 * rows)
+    flat = x.view(-1)
+    if flat.numel() >= 200:
+        flat[:16] = 0
+        flat[40:56] = 1e-40 * torch.randn(16, generator=g)  # fp32 subnormals
+        flat[100] = math.nan
+        flat[150] = -math.inf
+    return x.to(dtype)
+
+
+NVFP4_CASES = [dict(), dict(profile="torchao"), dict(block=(16, 16)), dict(axis=0),
+               dict(axis=0, block=(16, 16)), dict(rounding="stochastic", seed=7),
+               dict(axis=0, rounding="stochastic", seed=2**40 + 3, profile="torchao"),
+               dict(global_amax=3.0), dict(global_amax=0.0)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kwargs", NVFP4_CASES, ids=[str(c) for c in NVFP4_CASES])
+def test_nvfp4_matches_reference(kwargs, dtype):
+    x = hard_input((96, 160), 1, dtype)
+    if dtype == torch.float16:
+        x = x.nan_to_num(nan=1.0, posinf=6e4, neginf=-6e4).clamp(-6e4, 6e4)
+    assert_same(kernels.quantize_nvfp4(x.to(DEVICE), backend="triton", **kwargs),
+                formats.quantize_nvfp4(x, **kwargs))
+
+
+@pytest.mark.parametrize("mode", ["floor", "ceil", "even", "rceil"])
+@pytest.mark.parametrize("kwargs", [dict(), dict(axis=0), dict(rounding="stochastic", seed=11)], ids=str)
+def test_mxfp4_matches_reference(mode, kwargs):
+    x = hard_input((64, 192), 2, torch.bfloat16)
+    assert_same(kernels.quantize_mxfp4(x.to(DEVICE), mode=mode, backend="triton", **kwargs),
+                formats.quantize_mxfp4(x, mode=mode, **kwargs))
+
+
+@settings(max_examples=15, deadline=None)
+@given(lead=st.lists(st.integers(0, 5), min_size=0, max_size=2), length=st.integers(1, 70),
+       seed=st.integers(0, 1000), fmt=st.sampled_from(["nvfp4", "nvfp4-2d", "mxfp4"]),
+       sr=st.booleans())
+def test_ragged_shapes_with_padding(lead, length, seed, fmt, sr):
+    shape = (*lead, length) if fmt != "nvfp4-2d" else (max(1, sum(lead) + 1) * 7, length)
+    x = hard_input(shape if shape[0] else (1, length), seed)[: shape[0]] if shape[0] else torch.zeros(shape)
+    kw = dict(pad=True, rounding="stochastic" if sr else "rtne", seed=seed)
+    if fmt == "mxfp4":
+        fast, ref = kernels.quantize_mxfp4(x.to(DEVICE), backend="triton", **kw), formats.quantize_mxfp4(x, **kw)
+    else:
+        kw["block"] = (16, 16) if fmt == "nvfp4-2d" else 16
+        fast, ref = kernels.quantize_nvfp4(x.to(DEVICE), backend="triton", **kw), formats.quantize_nvfp4(x, **kw)
+    assert_same(fast, ref)
+
+
+def test_nd_axis_and_non_contiguous_input():
+    x = hard_input((4, 32, 48), 3)
+    assert_same(kernels.quantize_nvfp4(x.to(DEVICE), axis=1, backend="triton"), formats.quantize_nvfp4(x, axis=1))
+    xt = x[:, :, :32].transpose(1, 2)  # a strided view
+    assert_same(kernels.quantize_nvfp4(xt.to(DEVICE), backend="triton"), formats.quantize_nvfp4(xt))
+
+
+def test_amax_pass_ignores_non_finite():
+    x = hard_input((64, 64), 4)
+    ref = formats.blocks.finite_amax(x)
+    assert finite_amax(x.to(DEVICE)).item() == ref.item()
+    assert finite_amax(torch.full((3,), math.nan, device=DEVICE)).item() == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_dequantize_and_fake_quantize_match(dtype):
+    x = hard_input((3, 64, 96), 5)
+    for q in [formats.quantize_nvfp4(x, axis=1), formats.quantize_mxfp4(x),
+              formats.with_scale_layout(formats.quantize_nvfp4(x[0], block=(16, 16), axis=0), "swizzled")]:
+        fast = kernels.dequantize(q.to(DEVICE), dtype, backend="triton").cpu()
+        ref = formats.dequantize(q, dtype)
+        assert fast.shape == ref.shape and torch.equal(fast.nan_to_num(0.5), ref.nan_to_num(0.5))
+    y = x.to(dtype).nan_to_num(0.0, 1e4, -1e4)
+    fq = kernels.fake_quantize(y.to(DEVICE), "mxfp4", mode="rceil", backend="triton").cpu()
+    assert fq.dtype == dtype and torch.equal(fq, formats.dequantize(formats.quantize_mxfp4(y, mode="rceil"), dtype))
+
+
+def test_backend_choice(monkeypatch):
+    x = torch.randn(4, 32)
+    assert torch.equal(kernels.quantize_nvfp4(x).codes, formats.quantize_nvfp4(x).codes)  # CPU: reference
+    with pytest.raises(ValueError, match="'auto', 'reference', 'triton'"):
+        kernels.quantize_nvfp4(x, backend="cuda")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    if DEVICE == "cpu":
+        with pytest.raises(RuntimeError, match="CUDA tensor or TRITON_INTERPRET=1"):
+            kernels.quantize_nvfp4(x, backend="triton")
+    monkeypatch.setenv("FP4LAB_BACKEND", "reference")
+    assert torch.equal(kernels.quantize_mxfp4(x.to(DEVICE)).codes.cpu(), formats.quantize_mxfp4(x).codes)
+
+
+def test_bad_input_errors_come_from_the_shared_checks():
+    with pytest.raises(ValueError, match="block size 16"):
+        kernels.quantize_nvfp4(torch.randn(3, 20, device=DEVICE), backend="triton")
+    with pytest.raises(TypeError, match="int64"):
+        kernels.quantize_mxfp4(torch.ones(3, 32, dtype=torch.int64, device=DEVICE), backend="triton")
