@@ -1,0 +1,80 @@
+"""Quantize and dequantize throughput on the GPU, as a fraction of the device's copy bandwidth.
+
+    python benchmarks/bench_quantize.py [--rows 8192 --cols 4096]
+
+Bytes counted per element (bf16 input): NVFP4 2 read + 0.5 codes + 1/16 scales = 2.5625 (the
+amax pass reads the input once more, but the figure keeps the ideal single-pass byte count, so a
+ratio below 1 also shows what the extra pass costs); MXFP4 2 + 0.5 + 1/32. Every kernel is timed
+side by side with a torch.compile'd build of the fp4lab.formats reference, "what a user would
+write", and a device copy. Writes benchmarks/results/quantize.json and the quant_* keys of
+latest.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import bench_ms, copy_bandwidth_gbs, environment, save  # noqa: E402
+from fp4lab import formats, kernels  # noqa: E402
+from fp4lab.kernels.amax import finite_amax  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rows", type=int, default=8192)
+    parser.add_argument("--cols", type=int, default=4096)
+    args = parser.parse_args()
+    x = torch.randn(args.rows, args.cols, device="cuda", dtype=torch.bfloat16)
+    n = x.numel()
+    copy = copy_bandwidth_gbs()
+    amax = finite_amax(x)
+    nv_bytes, mx_bytes = n * (2 + 0.5 + 1 / 16), n * (2 + 0.5 + 1 / 32)
+    tri = dict(backend="triton")
+    cases = {
+        "nvfp4_rtne": (lambda: kernels.quantize_nvfp4(x, **tri), nv_bytes),
+        "nvfp4_rtne_amax_given": (lambda: kernels.quantize_nvfp4(x, global_amax=amax, **tri), nv_bytes),
+        "nvfp4_sr": (lambda: kernels.quantize_nvfp4(x, rounding="stochastic", seed=1, **tri), nv_bytes),
+        "nvfp4_2d_weight": (lambda: kernels.quantize_nvfp4(x, block=(16, 16), **tri), nv_bytes),
+        "nvfp4_axis0": (lambda: kernels.quantize_nvfp4(x, axis=0, **tri), nv_bytes),
+        "nvfp4_rht_sr_unfused": (lambda: kernels.quantize_nvfp4(
+            formats.hadamard_transform(x, axis=0, signs="te"), axis=0, rounding="stochastic", seed=1, **tri),
+            nv_bytes),
+        "mxfp4_floor": (lambda: kernels.quantize_mxfp4(x, **tri), mx_bytes),
+        "mxfp4_rceil_sr": (lambda: kernels.quantize_mxfp4(x, mode="rceil", rounding="stochastic", seed=1, **tri),
+                           mx_bytes),
+        "amax_pass": (lambda: finite_amax(x), n * 2),
+    }
+    q = kernels.quantize_nvfp4(x, **tri)
+    cases["nvfp4_dequantize_bf16"] = (lambda: kernels.dequantize(q, torch.bfloat16, **tri), n * (0.5 + 1 / 16 + 2))
+    try:
+        compiled = torch.compile(formats.quantize_nvfp4)
+        compiled(x)
+        cases["nvfp4_rtne_torch_compile_reference"] = (lambda: compiled(x), nv_bytes)
+    except Exception as exc:  # report, do not hide: the baseline row says why it is missing
+        print(f"torch.compile baseline failed: {type(exc).__name__}: {exc}"[:300])
+
+    rows = {}
+    for name, (fn, nbytes) in cases.items():
+        ms = bench_ms(fn)
+        rows[name] = {"ms": ms, "gbs": nbytes / ms / 1e6, "over_copy": nbytes / ms / 1e6 / copy}
+    payload = {**environment(), "shape": [args.rows, args.cols], "dtype": "bfloat16",
+               "copy_gbs": copy, "cases": rows}
+    print(f"{payload['device']}  torch {payload['torch']}  triton {payload['triton']}")
+    print(f"copy bandwidth (read + write): {copy:.0f} GB/s; x: {args.rows}x{args.cols} bf16")
+    print(f"{'case':40s} {'ms':>8s} {'GB/s':>8s} {'/copy':>6s}")
+    for name, r in rows.items():
+        print(f"{name:40s} {r['ms']:8.3f} {r['gbs']:8.0f} {r['over_copy']:6.2f}")
+    latest = {"quant_nvfp4_over_copy": rows["nvfp4_rtne"]["over_copy"],
+              "quant_nvfp4_amax_given_over_copy": rows["nvfp4_rtne_amax_given"]["over_copy"],
+              "quant_rht_sr_over_copy": rows["nvfp4_rht_sr_unfused"]["over_copy"],
+              "quant_mxfp4_over_copy": rows["mxfp4_floor"]["over_copy"]}
+    print("saved", save("quantize", payload, latest))
+
+
+if __name__ == "__main__":
+    main()

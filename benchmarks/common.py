@@ -1,0 +1,48 @@
+"""Shared benchmark plumbing: device facts, timing, and writing results JSON."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import subprocess
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def environment() -> dict:
+    import triton
+    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                         cwd=Path(__file__).parent).stdout.strip()
+    return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+            "date": datetime.date.today().isoformat(), "git": sha or "unknown"}
+
+
+def bench_ms(fn, warmup: int = 25, rep: int = 200) -> float:
+    """Median milliseconds of fn() with CUDA events (triton.testing.do_bench)."""
+    from triton.testing import do_bench
+    return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+def copy_bandwidth_gbs(numel: int = 1 << 28) -> float:
+    """Device-to-device copy of a bf16 tensor, bytes read + written per second."""
+    src = torch.randn(numel, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    ms = bench_ms(lambda: dst.copy_(src))
+    return 2 * src.numel() * src.element_size() / ms / 1e6
+
+
+def save(name: str, payload: dict, latest_keys: dict | None = None) -> Path:
+    """Write results/<name>.json; merge ``latest_keys`` (ratios) into results/latest.json."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(payload, indent=1))
+    if latest_keys:
+        latest_path = RESULTS / "latest.json"
+        latest = json.loads(latest_path.read_text()) if latest_path.exists() else {}
+        latest.update({k: payload[k] for k in ("device", "torch", "triton", "date", "git")})
+        latest.update(latest_keys)
+        latest_path.write_text(json.dumps(latest, indent=1, sort_keys=True))
+    return path
