@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from .formats import quant_stats, quantize_mxfp4, quantize_nvfp4
+from .formats import Format, FP4Tensor, quant_stats, quantize_mxfp4, quantize_nvfp4
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,12 +31,6 @@ class InspectConfig:
     block: int | tuple[int, int] = 16
     """NVFP4 block: 16, or (16, 16) tiles for 2D tensors (others fall back to 1x16)."""
 
-    @property
-    def label(self) -> str:
-        if self.format == "nvfp4":
-            tile = "16x16" if self.block == (16, 16) else "1x16"
-            return f"nvfp4/{self.profile}/{tile}"
-        return f"mxfp4/{self.mode}"
 
 
 def load_tensors(path: str | Path) -> dict[str, torch.Tensor]:
@@ -83,10 +77,18 @@ def inspect_tensors(tensors: dict[str, torch.Tensor], config: InspectConfig) -> 
         elif x.dim() == 0 or x.numel() == 0:
             row["skipped"] = "scalar or empty"
         else:
-            row["encoding"] = config.label
-            row.update(quant_stats(x, _quantize(x, config)))
+            q = _quantize(x, config)
+            row["encoding"] = encoding_label(q)
+            row.update(quant_stats(x, q))
         rows.append(row)
     return rows
+
+
+def encoding_label(q: FP4Tensor) -> str:
+    """What q really used: nvfp4/<profile>/<1x16|16x16> or mxfp4/<mode>."""
+    if q.format is Format.MXFP4:
+        return f"mxfp4/{q.mx_mode}"
+    return f"nvfp4/{q.profile}/{q.block[0]}x{q.block[1]}"
 
 
 def _quantize(x: torch.Tensor, config: InspectConfig):

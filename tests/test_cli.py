@@ -21,6 +21,9 @@ def test_inspect_safetensors_json(tmp_path, capsys):
     rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)["tensors"]}
     assert rows["w"]["encoding"] == "nvfp4/te/16x16" and 15 < rows["w"]["sqnr_db"] < 25
     assert "skipped" in rows["ids"] and rows["odd"]["shape"] == [3, 20]
+    save_file({"norm": torch.randn(64)}, str(path))
+    assert main(["inspect", str(path), "--format", "nvfp4", "--block", "16x16", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["tensors"][0]["encoding"] == "nvfp4/te/1x16"  # 1-D
 
 
 def test_inspect_nested_torch_file(tmp_path, capsys):

@@ -94,7 +94,8 @@ def resolve_seed(seed: int | torch.Generator | None) -> int:
         raise TypeError(f"seed must be an int, a torch.Generator or None, got {type(seed).__name__}")
     if isinstance(seed, int):
         return seed
-    return int(torch.randint(0, 2**62, (), generator=seed, dtype=torch.int64))
+    device = seed.device if seed is not None else "cpu"
+    return int(torch.randint(0, 2**62, (), generator=seed, dtype=torch.int64, device=device))
 
 
 def stochastic_bytes(rounding: Rounding, seed: int | torch.Generator | None,

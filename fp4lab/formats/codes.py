@@ -51,7 +51,10 @@ _E4M3 = (4, 3, 7, 0x7E)
 
 
 def _fp32_bits(x: torch.Tensor) -> torch.Tensor:
-    """x: any float tensor -> int64 tensor of its binary32 bit patterns (sign included)."""
+    """x: float32/bf16/fp16 -> int64 tensor of its binary32 bit patterns (sign included)."""
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        # a float64 value would be rounded to fp32 first: a double rounding, never the spec's
+        raise TypeError(f"codecs take float32, bfloat16 or float16, got {x.dtype}")
     return x.to(torch.float32).contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
 
 
@@ -66,7 +69,7 @@ def _shift_round(sig: torch.Tensor, s: torch.Tensor, rand: torch.Tensor | None) 
         half = 1 << (s - 1)
         up = (rem > half) | ((rem == half) & ((q & 1) == 1))
     else:
-        # up iff r/256 < rem/2^s, i.e. r * 2^s < rem * 256 (exact in int64: both < 2^34)
+        # up iff r/256 < rem/2^s, i.e. r * 2^s < rem * 256 (exact in int64: both < 2^48)
         up = (rand.to(torch.int64) << s) < (rem << 8)
     return q + up.to(torch.int64)
 

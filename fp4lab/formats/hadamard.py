@@ -94,7 +94,7 @@ def hadamard_transform(x: torch.Tensor, *, axis: int = -1, size: int = 16,
         raise ValueError(f"axis {axis} of shape {tuple(x.shape)} has length {x.shape[axis]}, "
                          f"not divisible by the Hadamard size {size}")
     xm = x.movedim(axis, -1).to(torch.float32)
-    chunks = xm.reshape(*xm.shape[:-1], -1, size) * s
+    chunks = xm.reshape(*xm.shape[:-1], xm.shape[-1] // size, size) * s
     scale = torch.tensor(1 / math.sqrt(size), dtype=torch.float32, device=x.device)
     y = (_butterfly(chunks) * scale).reshape(xm.shape)
     return y.movedim(-1, axis).to(dtype or x.dtype)

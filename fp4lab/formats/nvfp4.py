@@ -14,13 +14,16 @@ per operation, in exactly this order::
     profile torchao (torchao 0.18 nvfp4_quantize, the PTQ path)
       S_dec = amax / 2688   (amax == 0: S_dec = 1 / 2688, i.e. as if amax were 1)
       s_b   = e4m3(clamp((block_amax / 6) / S_dec, 2^-6, 448))    an all-zero block gets 0x08
-      code  = e2m1(clamp(x * ((1 / S_dec) / fp32(s_b)), -6, 6))
+      code  = e2m1(clamp(x * (min(1 / S_dec, FLT_MAX) / fp32(s_b)), -6, 6))
+      (torchao divides by zero for an all-zero tensor and overflows 1 / S_dec for amax below
+      2688 / FLT_MAX; both clamps are ours)
     dequantize: x ~= e2m1_value * fp32(s_b) * S_dec   (the first product is exact)
 
 In the te profile a block whose scale underflows to 0 dequantizes to 0 whatever its codes (its
-elements saturate to +-6 because e_b = FLT_MAX): "flushed", reported by stats.py. The profiles
-disagree on ~0.05% of scale bytes on Gaussian data (the 2^-6 floor and the operation order), and
-on every underflowing block.
+elements saturate to +-6 because e_b = FLT_MAX): "flushed", reported by stats.py. Measured on
+Gaussian data (tests/formats/test_nvfp4.py): the profiles' scale bytes agree except where te's
+is below 2^-6 (torchao's floor) or the exact block scale is an E4M3 tie, which te's folded
+fp32(1/6) breaks upward; on bf16 input about 0.1% of code bytes differ, on fp32 input almost none.
 
 2D blocks (16x16, for weights): one amax and one scale per 16x16 tile, replicated into each of
 the tile's 16 row blocks, so a weight and its transpose quantize to the same values.
@@ -87,7 +90,8 @@ def nvfp4_tensor_terms(amax: torch.Tensor, profile: NVFP4Profile) -> tuple[torch
         s_enc = torch.where((amax == 0) | (s_enc == 0), _f32(1.0, dev), s_enc)
         return _f32(1.0, dev) / s_enc, s_enc * _f32(1 / 6, dev)
     s_dec = torch.where(amax == 0, _f32(1.0, dev), amax) / _f32(2688.0, dev)
-    return s_dec, _f32(1.0, dev) / s_dec
+    # amax < 2688 / FLT_MAX would make 1 / S_dec infinite (and 0 * inf NaN): clamp like te does
+    return s_dec, torch.clamp(_f32(1.0, dev) / s_dec, max=FLT_MAX)
 
 
 def nvfp4_block_scales(b_amax: torch.Tensor, s_dec: torch.Tensor, block_mult: torch.Tensor,

@@ -39,11 +39,13 @@ def quant_stats(x: torch.Tensor, q: FP4Tensor) -> dict[str, float]:
     if q.tensor_scale is not None:
         scale = scale * float(q.tensor_scale)
     xb, hb = blocks_of(xf, q.block_len), blocks_of(x_hat, q.block_len)
+    real = blocks_of(prepare(torch.ones_like(x), q.axis, q.block, pad=True)[0] != 0, q.block_len)
     nonzero_src = (xb != 0).any(-1)
     flushed = nonzero_src & (hb == 0).all(-1)
     saturated = xb.abs().double() > 6 * scale[..., None]
     used = scale[nonzero_src & (scale > 0)]
-    n_blocks, n_elems = max(nonzero_src.numel(), 1), max(xb.numel(), 1)
+    # fractions of the real elements and blocks: padding is neither
+    n_blocks, n_elems = max(int(real.any(-1).sum()), 1), max(int(real.sum()), 1)
     return {
         "sqnr_db": _db(signal, noise),
         "rel_error": math.sqrt(noise / signal) if signal > 0 else 0.0,

@@ -31,7 +31,7 @@ from .elements import e2m1_rtne, e2m1_stochastic, e4m3_rtne, e4m3_value, pack_ni
 # SCALE_RULE values
 TE, TORCHAO = 0, 1
 MX_RULES = {MXScaleMode.FLOOR: 2, MXScaleMode.CEIL: 3, MXScaleMode.EVEN: 4, MXScaleMode.RCEIL: 5}
-FLT_MAX = 3.4028234663852886e38
+FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
 
 @triton.jit

@@ -134,6 +134,13 @@ def test_floor_and_ceil_log2_exact_on_every_positive_bf16_and_subnormals():
         assert f == e - 1 and c == (e - 1 if m == 0.5 else e)
 
 
+def test_codecs_refuse_float64_rather_than_round_twice():
+    with pytest.raises(TypeError, match="float64"):
+        C.encode_e2m1(torch.tensor([0.25 + 2**-40], dtype=torch.float64))
+    with pytest.raises(TypeError, match="float64"):
+        C.encode_e4m3(torch.tensor([1.0], dtype=torch.float64))
+
+
 def test_nibble_packing_low_nibble_first():
     codes = torch.tensor([[1, 2, 3, 15]], dtype=torch.uint8)
     packed = C.pack_nibbles(codes)

@@ -26,6 +26,12 @@ def test_quantizers_match_cpu_bytes(dtype):
               quantize_mxfp4(x, mode=mode, rounding="stochastic", seed=3))
 
 
+def test_a_cuda_generator_seeds_stochastic_rounding():
+    g = torch.Generator("cuda").manual_seed(3)
+    q = quantize_nvfp4(torch.randn(4, 32, device="cuda"), rounding="stochastic", seed=g)
+    assert q.codes.is_cuda
+
+
 def test_random_bytes_hadamard_and_gemm_match_cpu():
     assert torch.equal(random_bytes(123, 10_000, "cuda").cpu(), random_bytes(123, 10_000))
     x = torch.randn(256, 512).bfloat16()

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from fp4lab.formats import (FP4Tensor, dequantize, emulated_mm, pack_nibbles, quantize_mxfp4,
-                            quantize_nvfp4, scaled_mm)
+from fp4lab.formats import (FP4Tensor, block_values, dequantize, emulated_mm, gemm_alpha, pack_nibbles,
+                            quantize_mxfp4, quantize_nvfp4, scaled_mm)
 from tests.formats.test_nvfp4 import sample
 
 
@@ -50,11 +50,18 @@ def test_scaled_and_emulated_agree_to_summation_order(seed, weights):
 
 def test_scaled_mm_is_deterministic_block_order_accumulation():
     qa, qb = quantize_nvfp4(sample((16, 64), 1)), quantize_nvfp4(sample((8, 64), 2))
-    values = lambda q: dequantize(q) / q.tensor_scale  # noqa: E731  code * block scale, exact
+    values = block_values  # code * block scale, exact
     acc = torch.zeros(16, 8)
     for j in range(4):
         acc += values(qa)[:, 16 * j:16 * j + 16] @ values(qb)[:, 16 * j:16 * j + 16].T
     assert torch.equal(scaled_mm(qa, qb), acc * (qa.tensor_scale * qb.tensor_scale))
+
+
+def test_alpha_is_the_product_of_amaxes_over_2688_squared():
+    x, w = sample((4, 32), 3), sample((4, 32), 4)
+    qa, qb = quantize_nvfp4(x), quantize_nvfp4(w)
+    expected = float(x.abs().max()) * float(w.abs().max()) / (6 * 6 * 448 * 448)
+    assert abs(gemm_alpha(qa, qb).item() - expected) <= 4e-7 * expected
 
 
 def test_padded_2d_weight_rows_are_cropped():

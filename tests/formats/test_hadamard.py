@@ -58,6 +58,10 @@ def test_rotation_cancels_in_a_wgrad_shaped_product():
         assert torch.allclose(rdy.T @ rx, dy.T @ x, atol=1e-4)
 
 
+def test_empty_leading_dimension():
+    assert hadamard_transform(torch.zeros(0, 16)).shape == (0, 16)
+
+
 def test_errors():
     with pytest.raises(ValueError, match="not divisible by the Hadamard size 16"):
         hadamard_transform(torch.randn(4, 24))

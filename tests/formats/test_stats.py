@@ -31,6 +31,14 @@ def test_floor_mode_saturates_and_rceil_does_not():
     assert floor["scale_log2_max"] == 0 and rceil["scale_log2_max"] == 1
 
 
+def test_fractions_count_real_elements_not_padding():
+    x = torch.full((2, 10), 100.0)
+    s = quant_stats(x, quantize_nvfp4(x, global_amax=1.0, pad=True))  # everything saturates
+    assert s["saturated"] == 1.0
+    t = quant_stats(x, quantize_nvfp4(x, block=(16, 16), global_amax=1.0, pad=True))
+    assert t["saturated"] == 1.0 and t["flushed_blocks"] == 0
+
+
 def test_sqnr_of_gaussian_nvfp4_is_about_20_db():
     x = torch.randn(256, 256, generator=torch.Generator().manual_seed(0))
     s = quant_stats(x, quantize_nvfp4(x))
