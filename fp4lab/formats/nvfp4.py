@@ -35,6 +35,8 @@ Public: ``quantize_nvfp4``, ``nvfp4_tensor_terms``, ``nvfp4_block_scales``.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .blocks import block_amax, blocks_of, finite_amax, prepare, stochastic_bytes
@@ -113,7 +115,11 @@ def _nvfp4_block(block: int | tuple[int, int]) -> tuple[int, int]:
 
 
 def _check_amax(global_amax: float | torch.Tensor, device: torch.device) -> torch.Tensor:
-    amax = torch.as_tensor(global_amax, dtype=torch.float32, device=device).reshape(())
+    if not isinstance(global_amax, torch.Tensor):  # check on the host, then fill: no copy, no sync
+        if not (math.isfinite(global_amax) and global_amax >= 0):
+            raise ValueError(f"global_amax must be finite and >= 0, got {global_amax}")
+        return torch.full((), global_amax, dtype=torch.float32, device=device)
+    amax = global_amax.to(device=device, dtype=torch.float32).reshape(())
     if not bool(torch.isfinite(amax)) or bool(amax < 0):
         raise ValueError(f"global_amax must be finite and >= 0, got {float(amax)}")
     return amax

@@ -3,11 +3,12 @@
 Each helper computes exactly what its reference twin computes, so the kernels built from them
 are byte-identical to fp4lab.formats (tested exhaustively under TRITON_INTERPRET=1):
 
-    e2m1_rtne(v)          |v| <= 6 fp32 -> magnitude code, ties to even, by threshold compares:
-                          code = [v > .25] + [v >= .75] + [v > 1.25] + [v >= 1.75] + [v > 2.5]
-                                 + [v >= 3.5] + [v > 5]   (each tie goes to the even code)
-    e2m1_stochastic(v, r) round |v| up iff r * step < (|v| - lo) * 256, all terms exact in fp32:
-                          the integer rule of codes._shift_round, ceil(256 frac)/256 up-probability
+    e2m1_rtne(v)          0 <= v <= 6 fp32 -> magnitude code, ties to even. For v >= 1 the code is
+                          the fp32 exponent and top mantissa bit, bits >> 22, minus 252, after
+                          rounding the 22 dropped bits to even; below 1 it is [v > .25] + [v >= .75]
+    e2m1_stochastic(v, r) the same split, rounding up iff r / 256 < dropped fraction: for v >= 1,
+                          (r << 14) < the 22 dropped bits; below 1, r < (2v - floor(2v)) * 256 --
+                          codes._shift_round's rule, up-probability ceil(256 frac) / 256
     e4m3_rtne(y)          0 <= y <= 448 fp32 -> E4M3 byte, codes._encode_magnitude in int32
     e4m3_value(b)         E4M3 byte -> fp32 (exact, from the bit fields)
     philox_bytes(seed, g) Philox4x32-10 of counter g -> the 16 bytes of group g (rng.py's layout)
@@ -27,22 +28,21 @@ import triton.language as tl
 @triton.jit
 def e2m1_rtne(v):
     """v: fp32 magnitudes in [0, 6] -> int32 codes 0..7."""
-    code = (v > 0.25).to(tl.int32) + (v >= 0.75).to(tl.int32) + (v > 1.25).to(tl.int32)
-    code += (v >= 1.75).to(tl.int32) + (v > 2.5).to(tl.int32) + (v >= 3.5).to(tl.int32)
-    return code + (v > 5.0).to(tl.int32)
+    bits = v.to(tl.int32, bitcast=True)
+    normal = ((bits + 0x1FFFFF + ((bits >> 22) & 1)) >> 22) - 252
+    subnormal = (v > 0.25).to(tl.int32) + (v >= 0.75).to(tl.int32)
+    return tl.where(bits >= 0x3F800000, normal, subnormal)
 
 
 @triton.jit
 def e2m1_stochastic(v, r):
     """v: fp32 magnitudes in [0, 6]; r: int32 random bytes -> int32 codes 0..7."""
-    lo = (v >= 0.5).to(tl.int32) + (v >= 1.0).to(tl.int32) + (v >= 1.5).to(tl.int32)
-    lo += (v >= 2.0).to(tl.int32) + (v >= 3.0).to(tl.int32) + (v >= 4.0).to(tl.int32)
-    lo += (v >= 6.0).to(tl.int32)
-    lo_value = tl.where(lo < 4, lo.to(tl.float32) * 0.5, tl.where(lo == 4, 2.0, tl.where(lo == 5, 3.0,
-                        tl.where(lo == 6, 4.0, 6.0))))
-    step = tl.where(lo < 4, 0.5, tl.where(lo < 6, 1.0, 2.0))
-    up = r.to(tl.float32) * step < (v - lo_value) * 256.0
-    return lo + up.to(tl.int32)
+    bits = v.to(tl.int32, bitcast=True)
+    normal = (bits >> 22) - 252 + ((r << 14) < (bits & 0x3FFFFF)).to(tl.int32)
+    twice = v * 2.0
+    lo = (twice >= 1.0).to(tl.int32)
+    subnormal = lo + (r.to(tl.float32) < (twice - lo.to(tl.float32)) * 256.0).to(tl.int32)
+    return tl.where(bits >= 0x3F800000, normal, subnormal)
 
 
 @triton.jit

@@ -7,8 +7,10 @@ in the stored layout (block axis last). Per tile: finite-masked block amax (16x1
 over 16 rows too), the block scale by the format's rule (SCALE_RULE below, formulas in
 formats/nvfp4.py and formats/mxfp4.py), scale the elements, encode E2M1 (RTNE or stochastic
 with Philox bytes, one Philox call per 16 elements), pack nibbles, store codes and scale bytes.
-The tensor amax is a separate pass (amax.py) unless the caller supplies it; the per-tensor
-scalars come from formats.nvfp4.nvfp4_tensor_terms on the device, so they are the reference's.
+The tensor amax is a separate pass (amax.py) unless the caller supplies it; every program
+derives the per-tensor scalars from it (_tensor_terms, formats.nvfp4.nvfp4_tensor_terms' fp32
+operations one for one) and the first writes S_dec, so a call is two launches and no host sync.
+A CUDA tensor ``global_amax`` is trusted (checking it would sync); a float is checked.
 
 Bytes per element for NVFP4 with bf16 input: 2 read + 0.5 codes + 1/16 scale = 2.5625.
 
@@ -35,6 +37,17 @@ FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
 
 @triton.jit
+def _tensor_terms(amax, RULE: tl.constexpr):
+    """amax: fp32 scalar -> (S_dec, block multiplier): formats.nvfp4.nvfp4_tensor_terms."""
+    if RULE == 0:
+        s_enc = tl.minimum(tl.div_rn(2688.0, amax), FLT_MAX)
+        s_enc = tl.where((amax == 0) | (s_enc == 0), 1.0, s_enc)
+        return tl.div_rn(1.0, s_enc), s_enc * 0.1666666716337204  # fp32(1/6)
+    s_dec = tl.div_rn(tl.where(amax == 0, 1.0, amax), 2688.0)
+    return s_dec, tl.minimum(tl.div_rn(1.0, s_dec), FLT_MAX)
+
+
+@triton.jit
 def _mx_exponent(bamax, RULE: tl.constexpr):
     """bamax: fp32 >= 0 finite -> int32 unbiased exponent in [-127, 127] (formats.mxfp4.mx_exponent)."""
     bits = bamax.to(tl.int32, bitcast=True)
@@ -56,7 +69,7 @@ def _mx_exponent(bamax, RULE: tl.constexpr):
 
 
 @triton.jit
-def _fp4_quantize_kernel(x_ptr, codes_ptr, scales_ptr, terms_ptr, seed,
+def _fp4_quantize_kernel(x_ptr, codes_ptr, scales_ptr, amax_ptr, s_dec_ptr, seed,
                          R, L, R_OUT, LP, stride_r, stride_c,
                          SCALE_RULE: tl.constexpr, BLOCK: tl.constexpr, TILE_ROWS: tl.constexpr,
                          STOCHASTIC: tl.constexpr, BF16_BITS: tl.constexpr,
@@ -77,15 +90,17 @@ def _fp4_quantize_kernel(x_ptr, codes_ptr, scales_ptr, terms_ptr, seed,
         tile_bad = tl.max(tl.reshape(bad, (BR // TILE_ROWS, TILE_ROWS, NB)), axis=1)
         bad = tl.reshape(tl.broadcast_to(tile_bad[:, None, :], (BR // TILE_ROWS, TILE_ROWS, NB)), (BR, NB))
 
+    if SCALE_RULE < 2:
+        s_dec, mult = _tensor_terms(tl.load(amax_ptr), SCALE_RULE)
+        if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+            tl.store(s_dec_ptr, s_dec)
     if SCALE_RULE == 0:  # NVFP4 te: s_b = e4m3(min(amax_b * (S_enc/6), 448)), e_b = 1/(s_b S_dec)
-        s_dec = tl.load(terms_ptr)
-        sbyte = e4m3_rtne(tl.minimum(bamax * tl.load(terms_ptr + 1), 448.0))
+        sbyte = e4m3_rtne(tl.minimum(bamax * mult, 448.0))
         e_b = tl.minimum(tl.div_rn(tl.full(bamax.shape, 1.0, tl.float32), e4m3_value(sbyte) * s_dec), FLT_MAX)
         nan_byte = 0x7F
     elif SCALE_RULE == 1:  # NVFP4 torchao: s_b = e4m3(clamp(amax_b/6/S_dec, 2^-6, 448)), e_b = (1/S_dec)/s_b
-        s_dec = tl.load(terms_ptr)
         sbyte = e4m3_rtne(tl.minimum(tl.maximum(tl.div_rn(tl.div_rn(bamax, 6.0), s_dec), 0.015625), 448.0))
-        e_b = tl.div_rn(tl.load(terms_ptr + 1) + tl.zeros_like(bamax), e4m3_value(sbyte))
+        e_b = tl.div_rn(mult + tl.zeros_like(bamax), e4m3_value(sbyte))
         nan_byte = 0x7F
     else:  # MXFP4: s_b = 2^e, e_b = 2^-e exactly
         e = _mx_exponent(bamax, SCALE_RULE)
@@ -127,7 +142,8 @@ def _strided_2d(x: torch.Tensor, axis: int) -> tuple[torch.Tensor, int, int, int
 
 
 def _launch(x: torch.Tensor, axis: int, block: tuple[int, int], pad: bool, rule: int,
-            terms: torch.Tensor | None, stochastic: bool, seed: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+            amax: torch.Tensor | None, s_dec: torch.Tensor | None, stochastic: bool,
+            seed: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     axis, pads = check_input(x, axis, block, pad)
     src, rows, length, stride_r, stride_c = _strided_2d(x, axis)
     lp, rows_out = length + pads[0], rows + pads[1]
@@ -141,7 +157,8 @@ def _launch(x: torch.Tensor, axis: int, block: tuple[int, int], pad: bool, rule:
         br, bc = 32, 128
         grid = (triton.cdiv(rows_out, br), triton.cdiv(lp, bc))
         bf16 = src.dtype == torch.bfloat16
-        _fp4_quantize_kernel[grid](src.view(torch.int16) if bf16 else src, codes, scales, terms if terms is not None else codes, seed,
+        _fp4_quantize_kernel[grid](src.view(torch.int16) if bf16 else src, codes, scales,
+                                   codes if amax is None else amax, codes if s_dec is None else s_dec, seed,
                                    rows, length, rows_out, lp, stride_r, stride_c,
                                    SCALE_RULE=rule, BLOCK=block[1], TILE_ROWS=block[0],
                                    STOCHASTIC=stochastic, BF16_BITS=bf16, BR=br, BC=bc)
@@ -164,11 +181,17 @@ def quantize_nvfp4(x: torch.Tensor, *, axis: int = -1, block: int | tuple[int, i
     """Triton twin of fp4lab.formats.quantize_nvfp4 (same arguments, same bytes)."""
     block2, rounding, profile = _nvfp4_block(block), Rounding.parse(rounding), NVFP4Profile.parse(profile)
     check_input(x, axis, block2, pad)
-    amax = finite_amax(x) if global_amax is None else _check_amax(global_amax, x.device)
-    s_dec, mult = nvfp4_tensor_terms(amax, profile)
-    terms = torch.stack([s_dec, mult]).contiguous()
+    if global_amax is None:
+        amax = finite_amax(x)
+    elif isinstance(global_amax, torch.Tensor) and global_amax.is_cuda:
+        amax = global_amax.reshape(()).to(torch.float32)
+    else:
+        amax = _check_amax(global_amax, x.device)
+    s_dec = torch.ones((), dtype=torch.float32, device=x.device)  # written by the kernel
+    if x.numel() == 0:
+        s_dec = nvfp4_tensor_terms(amax, profile)[0]
     rule = TE if profile is NVFP4Profile.TE else TORCHAO
-    codes, scales, axis = _launch(x, axis, block2, pad, rule, terms, rounding is Rounding.STOCHASTIC,
+    codes, scales, axis = _launch(x, axis, block2, pad, rule, amax, s_dec, rounding is Rounding.STOCHASTIC,
                                   _seed(rounding, seed))
     return FP4Tensor(codes=codes, scales=scales.view(torch.float8_e4m3fn), tensor_scale=s_dec,
                      shape=x.shape, axis=axis, block=block2, format=Format.NVFP4, rounding=rounding,
@@ -180,7 +203,7 @@ def quantize_mxfp4(x: torch.Tensor, *, axis: int = -1, mode: str | MXScaleMode =
                    pad: bool = False) -> FP4Tensor:
     """Triton twin of fp4lab.formats.quantize_mxfp4 (same arguments, same bytes)."""
     mode, rounding = MXScaleMode.parse(mode), Rounding.parse(rounding)
-    codes, scales, axis = _launch(x, axis, (1, MX_BLOCK), pad, MX_RULES[mode], None,
+    codes, scales, axis = _launch(x, axis, (1, MX_BLOCK), pad, MX_RULES[mode], None, None,
                                   rounding is Rounding.STOCHASTIC, _seed(rounding, seed))
     return FP4Tensor(codes=codes, scales=scales, tensor_scale=None, shape=x.shape, axis=axis,
                      block=(1, MX_BLOCK), format=Format.MXFP4, rounding=rounding, mx_mode=mode)
