@@ -6,7 +6,8 @@ Bytes counted per element (bf16 input): NVFP4 2 read + 0.5 codes + 1/16 scales =
 amax pass reads the input once more, but the figure keeps the ideal single-pass byte count, so a
 ratio below 1 also shows what the extra pass costs); MXFP4 2 + 0.5 + 1/32. Every kernel is timed
 side by side with a torch.compile'd build of the fp4lab.formats reference, "what a user would
-write", and a device copy. Writes benchmarks/results/quantize.json and the quant_* keys of
+write", and a device copy. Each case is timed twice: replayed from a CUDA graph (device time,
+the figure the ratios use) and eagerly from Python (what launch overhead adds at this size). Writes benchmarks/results/quantize.json and the quant_* keys of
 latest.json.
 """
 
@@ -19,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import bench_ms, copy_bandwidth_gbs, environment, save  # noqa: E402
+from benchmarks.common import bench_ms, copy_bandwidth_gbs, environment, graph_ms, save  # noqa: E402
 from fp4lab import formats, kernels  # noqa: E402
 from fp4lab.kernels.amax import finite_amax  # noqa: E402
 
@@ -60,15 +61,20 @@ def main() -> None:
 
     rows = {}
     for name, (fn, nbytes) in cases.items():
-        ms = bench_ms(fn)
-        rows[name] = {"ms": ms, "gbs": nbytes / ms / 1e6, "over_copy": nbytes / ms / 1e6 / copy}
+        eager = bench_ms(fn)
+        try:
+            ms = graph_ms(fn)
+        except Exception as exc:  # e.g. a baseline that syncs cannot be captured
+            print(f"{name}: no CUDA graph ({type(exc).__name__}); timing eagerly")
+            ms = eager
+        rows[name] = {"ms": ms, "eager_ms": eager, "gbs": nbytes / ms / 1e6, "over_copy": nbytes / ms / 1e6 / copy}
     payload = {**environment(), "shape": [args.rows, args.cols], "dtype": "bfloat16",
                "copy_gbs": copy, "cases": rows}
     print(f"{payload['device']}  torch {payload['torch']}  triton {payload['triton']}")
     print(f"copy bandwidth (read + write): {copy:.0f} GB/s; x: {args.rows}x{args.cols} bf16")
-    print(f"{'case':40s} {'ms':>8s} {'GB/s':>8s} {'/copy':>6s}")
+    print(f"{'case':40s} {'ms':>8s} {'GB/s':>8s} {'/copy':>6s} {'eager ms':>9s}")
     for name, r in rows.items():
-        print(f"{name:40s} {r['ms']:8.3f} {r['gbs']:8.0f} {r['over_copy']:6.2f}")
+        print(f"{name:40s} {r['ms']:8.3f} {r['gbs']:8.0f} {r['over_copy']:6.2f} {r['eager_ms']:9.3f}")
     latest = {"quant_nvfp4_over_copy": rows["nvfp4_rtne"]["over_copy"],
               "quant_nvfp4_amax_given_over_copy": rows["nvfp4_rtne_amax_given"]["over_copy"],
               "quant_rht_sr_over_copy": rows["nvfp4_rht_sr_unfused"]["over_copy"],

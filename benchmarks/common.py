@@ -26,6 +26,12 @@ def bench_ms(fn, warmup: int = 25, rep: int = 200) -> float:
     return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
 
+def graph_ms(fn, rep: int = 100) -> float:
+    """Median milliseconds of fn() replayed from a CUDA graph: device time, no host overhead."""
+    from triton.testing import do_bench_cudagraph
+    return float(do_bench_cudagraph(fn, rep=rep, return_mode="median"))
+
+
 def copy_bandwidth_gbs(numel: int = 1 << 28) -> float:
     """Device-to-device copy of a bf16 tensor, bytes read + written per second."""
     src = torch.randn(numel, device="cuda", dtype=torch.bfloat16)

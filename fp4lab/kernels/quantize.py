@@ -81,14 +81,14 @@ def _fp4_quantize_kernel(x_ptr, codes_ptr, scales_ptr, amax_ptr, s_dec_ptr, seed
     x = tl.load(x_ptr + rows[:, None] * stride_r + cols[None, :] * stride_c, mask=inside, other=0.0)
     x = tl.reshape(widen(x, BF16_BITS), (BR, NB, BLOCK))
 
-    finite = (x.to(tl.int32, bitcast=True) & 0x7FFFFFFF) < 0x7F800000
-    bamax = tl.max(tl.where(finite, tl.abs(x), 0.0), axis=2)  # [BR, NB]
-    bad = tl.max((~finite).to(tl.int32), axis=2)
+    # one integer reduction gives both the amax and the verdict: |x| bits order like |x|, and a
+    # block whose largest bits are Inf/NaN's (>= 0x7F800000) is poisoned, its amax unused
+    amax_bits = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2)  # [BR, NB]
     if TILE_ROWS > 1:  # one amax per 16x16 tile, replicated to its 16 rows
-        tile_amax = tl.max(tl.reshape(bamax, (BR // TILE_ROWS, TILE_ROWS, NB)), axis=1)
-        bamax = tl.reshape(tl.broadcast_to(tile_amax[:, None, :], (BR // TILE_ROWS, TILE_ROWS, NB)), (BR, NB))
-        tile_bad = tl.max(tl.reshape(bad, (BR // TILE_ROWS, TILE_ROWS, NB)), axis=1)
-        bad = tl.reshape(tl.broadcast_to(tile_bad[:, None, :], (BR // TILE_ROWS, TILE_ROWS, NB)), (BR, NB))
+        tile = tl.max(tl.reshape(amax_bits, (BR // TILE_ROWS, TILE_ROWS, NB)), axis=1)
+        amax_bits = tl.reshape(tl.broadcast_to(tile[:, None, :], (BR // TILE_ROWS, TILE_ROWS, NB)), (BR, NB))
+    bad = (amax_bits >= 0x7F800000).to(tl.int32)
+    bamax = tl.where(bad > 0, 0, amax_bits).to(tl.float32, bitcast=True)
 
     if SCALE_RULE < 2:
         s_dec, mult = _tensor_terms(tl.load(amax_ptr), SCALE_RULE)
