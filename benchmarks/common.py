@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -14,8 +15,9 @@ RESULTS = Path(__file__).parent / "results"
 
 def environment() -> dict:
     import triton
-    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                         cwd=Path(__file__).parent).stdout.strip()
+    # the device machine gets a copy of the tree without .git: the caller passes the commit
+    sha = os.environ.get("FP4LAB_GIT_SHA") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip()
     return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "date": datetime.date.today().isoformat(), "git": sha or "unknown"}
 

@@ -154,7 +154,8 @@ def _launch(x: torch.Tensor, axis: int, block: tuple[int, int], pad: bool, rule:
     codes = torch.empty(*lead, lp // 2, dtype=torch.uint8, device=x.device)
     scales = torch.empty(*lead, lp // block[1], dtype=torch.uint8, device=x.device)
     if codes.numel():
-        br, bc = 32, 128
+        # a transposed read (axis 0) is contiguous down the rows: tall tiles keep it coalesced
+        br, bc = (128, 64) if stride_c != 1 else (32, 128)
         grid = (triton.cdiv(rows_out, br), triton.cdiv(lp, bc))
         bf16 = src.dtype == torch.bfloat16
         _fp4_quantize_kernel[grid](src.view(torch.int16) if bf16 else src, codes, scales,
