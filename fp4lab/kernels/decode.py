@@ -16,17 +16,9 @@ import triton.language as tl
 from ..formats.blocks import restore
 from ..formats.layout import with_scale_layout
 from ..formats.types import Format, FP4Tensor, ScaleLayout
-from .elements import e4m3_value, to_bf16_rtne
+from .elements import e2m1_value, scale_value, to_bf16_rtne
 
 _OUT_DTYPES = (torch.float32, torch.bfloat16)
-
-
-@triton.jit
-def _e2m1_value(c):
-    """c: int32 nibbles -> fp32 values (0, .5, 1, 1.5, 2, 3, 4, 6 and negatives)."""
-    e, m = (c >> 1) & 3, c & 1
-    mag = tl.where(e == 0, m.to(tl.float32) * 0.5, (((e + 126) << 23) | (m << 22)).to(tl.float32, bitcast=True))
-    return tl.where((c & 8) != 0, -mag, mag)
 
 
 @triton.jit
@@ -43,12 +35,7 @@ def _dequantize_kernel(codes_ptr, scales_ptr, tscale_ptr, out_ptr, ROWS, LP,
     scols = tl.program_id(1) * NB + tl.arange(0, NB)
     sbyte = tl.load(scales_ptr + rows[:, None] * (LP // BLOCK) + scols[None, :],
                     mask=keep & (scols[None, :] < LP // BLOCK), other=0).to(tl.int32)
-    if NVFP4:
-        scale = tl.where((sbyte & 0x7F) == 0x7F, float("nan"), e4m3_value(sbyte))
-    else:
-        scale = tl.where(sbyte == 0, 0x400000, sbyte << 23).to(tl.float32, bitcast=True)
-        scale = tl.where(sbyte == 0xFF, float("nan"), scale)
-    values = tl.reshape(_e2m1_value(codes) * scale[:, :, None], (BR, BC))
+    values = tl.reshape(e2m1_value(codes) * scale_value(sbyte, NVFP4)[:, :, None], (BR, BC))
     if NVFP4:
         values = values * tl.load(tscale_ptr)
     cols = tl.program_id(1) * BC + tl.arange(0, BC)

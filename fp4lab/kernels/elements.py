@@ -11,6 +11,7 @@ are byte-identical to fp4lab.formats (tested exhaustively under TRITON_INTERPRET
                           codes._shift_round's rule, up-probability ceil(256 frac) / 256
     e4m3_rtne(y)          0 <= y <= 448 fp32 -> E4M3 byte, codes._encode_magnitude in int32
     e4m3_value(b)         E4M3 byte -> fp32 (exact, from the bit fields)
+    e2m1_value(c)         E2M1 nibble -> fp32;  scale_value(b, NVFP4): E4M3 / UE8M0 byte -> fp32
     philox_bytes(seed, g) Philox4x32-10 of counter g -> the 16 bytes of group g (rng.py's layout)
     widen(x, BF16_BITS)   loaded input (bf16 as int16 bits) -> fp32, exactly
     to_bf16_rtne(x)       fp32 -> bf16 round to nearest even, in integers (same on every backend)
@@ -70,6 +71,23 @@ def e4m3_value(b):
     normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
     value = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)  # subnormal: m * 2^-9
     return tl.where((b & 0x80) != 0, -value, value)
+
+
+@triton.jit
+def e2m1_value(c):
+    """c: int32 nibbles -> fp32 values (0, .5, 1, 1.5, 2, 3, 4, 6 and negatives), exact."""
+    e, m = (c >> 1) & 3, c & 1
+    mag = tl.where(e == 0, m.to(tl.float32) * 0.5, (((e + 126) << 23) | (m << 22)).to(tl.float32, bitcast=True))
+    return tl.where((c & 8) != 0, -mag, mag)
+
+
+@triton.jit
+def scale_value(sbyte, NVFP4: tl.constexpr):
+    """int32 scale bytes -> fp32: E4M3 (NVFP4) or UE8M0 (MXFP4), NaN bytes to NaN."""
+    if NVFP4:
+        return tl.where((sbyte & 0x7F) == 0x7F, float("nan"), e4m3_value(sbyte))
+    value = tl.where(sbyte == 0, 0x400000, sbyte << 23).to(tl.float32, bitcast=True)  # 2^-127 is subnormal
+    return tl.where(sbyte == 0xFF, float("nan"), value)
 
 
 @triton.jit

@@ -1,0 +1,93 @@
+"""Emulated block-scaled FP4 GEMM on Hopper: C = A @ B^T from packed codes and block scales.
+
+Hopper has no FP4 tensor cores, so each program streams packed E2M1 codes (half a byte per
+element) and their block scales from memory, decodes code * block scale to BF16 in registers
+(exact: a 2-bit by 4-bit significand), and feeds BF16 tensor cores with FP32 accumulation; the
+tensor scales' product alpha is applied once in the epilogue. That is formats.gemm.emulated_mm,
+and it agrees with formats.gemm.scaled_mm up to the order of the FP32 summation (tested with the
+bound 2 K 2^-24 (|A| |B|^T) alpha). A NaN block scale makes its outputs NaN, as in the reference.
+Under TRITON_INTERPRET=1 the dot takes the same exact values in fp32, because the interpreter's
+dot multiplies bf16 operands' raw bit patterns.
+
+Operands as formats.gemm: A [M, K] and B [N, K], both quantized along K in the same format.
+
+Public: ``fp4_mm``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ..formats.gemm import _check_pair
+from ..formats.layout import with_scale_layout
+from ..formats.types import Format, FP4Tensor, ScaleLayout
+from .elements import e2m1_value, scale_value
+
+
+@triton.jit
+def _decode_tile(codes_ptr, scales_ptr, rows, k0, n_rows, KP, BLOCK: tl.constexpr, NVFP4: tl.constexpr,
+                 ROWS: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr):
+    """-> [ROWS, BK] bf16 (fp32 if DOT_F32) code * block scale for K columns k0 .. k0 + BK."""
+    kb = k0 // 2 + tl.arange(0, BK // 2)
+    live = rows[:, None] < n_rows
+    packed = tl.load(codes_ptr + rows[:, None] * (KP // 2) + kb[None, :], mask=live & (kb[None, :] < KP // 2),
+                     other=0).to(tl.int32)
+    sb = k0 // BLOCK + tl.arange(0, BK // BLOCK)
+    sbyte = tl.load(scales_ptr + rows[:, None] * (KP // BLOCK) + sb[None, :], mask=live & (sb[None, :] < KP // BLOCK),
+                    other=0).to(tl.int32)
+    codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (ROWS, BK // BLOCK, BLOCK))
+    values = e2m1_value(codes) * scale_value(sbyte, NVFP4)[:, :, None]
+    values = tl.reshape(values, (ROWS, BK))
+    return values if DOT_F32 else values.to(tl.bfloat16)
+
+
+@triton.jit
+def _fp4_mm_kernel(a_codes, a_scales, b_codes, b_scales, a_tscale, b_tscale, c_ptr, M, N, KP,
+                   BLOCK: tl.constexpr, NVFP4: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                   BK: tl.constexpr, GROUP_M: tl.constexpr, DOT_F32: tl.constexpr):
+    # grouped launch order: GROUP_M row tiles share each column tile while it sits in L2
+    pid = tl.program_id(0)
+    tiles_m, tiles_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
+    group = pid // (GROUP_M * tiles_n)
+    first_m = group * GROUP_M
+    size_m = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * tiles_n)) % size_m
+    pid_n = (pid % (GROUP_M * tiles_n)) // size_m
+    rm = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
+    rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, KP, BK):
+        a = _decode_tile(a_codes, a_scales, rm, k0, M, KP, BLOCK, NVFP4, BM, BK, DOT_F32)
+        b = _decode_tile(b_codes, b_scales, rn, k0, N, KP, BLOCK, NVFP4, BN, BK, DOT_F32)
+        acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee" if DOT_F32 else None)
+    if NVFP4:
+        acc = acc * (tl.load(a_tscale) * tl.load(b_tscale))  # alpha = S_dec_A * S_dec_B, once
+    tl.store(c_ptr + rm[:, None] * N + rn[None, :], acc.to(c_ptr.dtype.element_ty),
+             mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def fp4_mm(qa: FP4Tensor, qb: FP4Tensor, *, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """qa: A [M, K], qb: B [N, K], quantized along K -> C = A @ B^T: [M, N] ``out_dtype``."""
+    m, n = _check_pair(qa, qb)
+    if out_dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"fp4_mm writes float32 or bfloat16, got {out_dtype}")
+    qa, qb = with_scale_layout(qa, ScaleLayout.PLAIN), with_scale_layout(qb, ScaleLayout.PLAIN)
+    kp, bl = qa.padded_len, qa.block_len
+    out = torch.empty(m, n, dtype=out_dtype, device=qa.codes.device)
+    if out.numel() == 0:
+        return out
+    if kp == 0:
+        return out.zero_()
+    nvfp4 = qa.format is Format.NVFP4
+    bm, bn, bk = 128, 128, 64  # H100: 8 warps, 3 stages
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    dummy = qa.codes
+    _fp4_mm_kernel[grid](qa.codes, qa.scales.view(torch.uint8), qb.codes, qb.scales.view(torch.uint8),
+                         qa.tensor_scale if nvfp4 else dummy, qb.tensor_scale if nvfp4 else dummy, out,
+                         m, n, kp, BLOCK=bl, NVFP4=nvfp4, BM=bm, BN=bn, BK=bk, GROUP_M=8,
+                         DOT_F32=os.environ.get("TRITON_INTERPRET") == "1", num_warps=8, num_stages=3)
+    return out
