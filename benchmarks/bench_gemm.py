@@ -3,10 +3,10 @@
     python benchmarks/bench_gemm.py
 
 For each shape (M, N, K): cuBLAS BF16 (torch.matmul), fp4lab's fused kernel (packed codes and
-scales decoded in registers, kernels/gemm.py), and the two-stage path (Triton dequantize both
-operands to BF16, then cuBLAS). TFLOP/s count 2 M N K. A tile sweep at 8192^3 comes first, and a
+scales decoded in registers, kernels/gemm.py), and the two-stage path (Triton decodes both
+operands to exact BF16, cuBLAS multiplies with FP32 output, alpha after). TFLOP/s count 2 M N K. A tile sweep at 8192^3 comes first, and a
 correctness check against formats.scaled_mm's summation bound at 2048^3. Writes
-benchmarks/results/gemm.json and gemm_fp4_over_bf16 in latest.json (fused kernel, best tile).
+benchmarks/results/gemm.json and the gemm_* keys of latest.json (gemm_fp4_over_bf16: the faster method, what fp4_mm runs).
 """
 
 from __future__ import annotations
@@ -58,10 +58,10 @@ def check(m: int = 2048) -> float:
     """Largest |fused - scaled_mm| over the summation bound, at m^3 (must be <= 1)."""
     _, _, qa, qb = operands(m, m, m)
     ref = formats.scaled_mm(qa, qb).double()
-    fast = fp4_mm(qa, qb).double()
     a, b = formats.dequantize(qa).double().abs(), formats.dequantize(qb).double().abs()
     bound = 2 * m * 2**-24 * (a @ b.T) + 1e-30
-    return float(((fast - ref).abs() / bound).max())
+    return max(float(((fp4_mm(qa, qb, method=method).double() - ref).abs() / bound).max())
+               for method in ("fused", "two_stage"))
 
 
 def main() -> None:
@@ -73,8 +73,8 @@ def main() -> None:
         x, w, qa, qb = operands(m, n, k)
         flops = 2 * m * n * k
         bf16 = graph_ms(lambda: x @ w.T)
-        fused = graph_ms(lambda: fp4_mm(qa, qb, out_dtype=torch.bfloat16))
-        two_stage = graph_ms(lambda: kernels.dequantize(qa, torch.bfloat16) @ kernels.dequantize(qb, torch.bfloat16).T)
+        fused = graph_ms(lambda: fp4_mm(qa, qb, out_dtype=torch.bfloat16, method="fused"))
+        two_stage = graph_ms(lambda: fp4_mm(qa, qb, out_dtype=torch.bfloat16, method="two_stage"))
         rows[f"{m}x{n}x{k}"] = {"bf16_tflops": flops / bf16 / 1e9, "fp4_fused_tflops": flops / fused / 1e9,
                                 "fp4_two_stage_tflops": flops / two_stage / 1e9,
                                 "fused_over_bf16": bf16 / fused, "two_stage_over_bf16": bf16 / two_stage}
@@ -84,8 +84,10 @@ def main() -> None:
     for shape, r in rows.items():
         print(f"{shape:20s} {r['bf16_tflops']:7.0f} {r['fp4_fused_tflops']:7.0f} {r['fp4_two_stage_tflops']:8.0f} "
               f"{r['fused_over_bf16']:10.2f} {r['two_stage_over_bf16']:12.2f}")
-    print("saved", save("gemm", payload, {"gemm_fp4_over_bf16": rows["8192x8192x8192"]["fused_over_bf16"],
-                                          "gemm_fp4_two_stage_over_bf16": rows["8192x8192x8192"]["two_stage_over_bf16"]}))
+    big = rows["8192x8192x8192"]
+    print("saved", save("gemm", payload, {"gemm_fp4_over_bf16": max(big["fused_over_bf16"], big["two_stage_over_bf16"]),
+                                          "gemm_fp4_fused_over_bf16": big["fused_over_bf16"],
+                                          "gemm_fp4_two_stage_over_bf16": big["two_stage_over_bf16"]}))
 
 
 if __name__ == "__main__":

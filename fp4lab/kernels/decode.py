@@ -4,7 +4,7 @@ fp4lab.formats.dequantize: value = (e2m1 * block_scale) * tensor_scale, then one
 Works in the stored layout [rows, Lp] and hands back the same view the reference returns
 (padding cropped, block axis moved back). Swizzled scales are unswizzled first.
 
-Public: ``dequantize``.
+Public: ``dequantize``, ``block_values``.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ _OUT_DTYPES = (torch.float32, torch.bfloat16)
 
 @triton.jit
 def _dequantize_kernel(codes_ptr, scales_ptr, tscale_ptr, out_ptr, ROWS, LP,
-                       BLOCK: tl.constexpr, NVFP4: tl.constexpr, BF16: tl.constexpr,
+                       BLOCK: tl.constexpr, NVFP4: tl.constexpr, TENSOR_SCALE: tl.constexpr, BF16: tl.constexpr,
                        BR: tl.constexpr, BC: tl.constexpr):
     NB: tl.constexpr = BC // BLOCK
     rows = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
@@ -36,7 +36,7 @@ def _dequantize_kernel(codes_ptr, scales_ptr, tscale_ptr, out_ptr, ROWS, LP,
     sbyte = tl.load(scales_ptr + rows[:, None] * (LP // BLOCK) + scols[None, :],
                     mask=keep & (scols[None, :] < LP // BLOCK), other=0).to(tl.int32)
     values = tl.reshape(e2m1_value(codes) * scale_value(sbyte, NVFP4)[:, :, None], (BR, BC))
-    if NVFP4:
+    if TENSOR_SCALE:
         values = values * tl.load(tscale_ptr)
     cols = tl.program_id(1) * BC + tl.arange(0, BC)
     if BF16:
@@ -51,6 +51,16 @@ def dequantize(q: FP4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor
         raise TypeError(f"dequantize takes an FP4Tensor, got {type(q).__name__}")
     if dtype not in _OUT_DTYPES:  # e.g. float16: the fp32 result, cast once, as the reference does
         return dequantize(q, torch.float32).to(dtype)
+    return restore(_decode(q, dtype, q.format is Format.NVFP4), q.shape, q.axis)
+
+
+def block_values(q: FP4Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Triton twin of fp4lab.formats.block_values: [*lead, Lp] code * block scale, no tensor
+    scale; exact in bf16 (the operand of an emulated GEMM)."""
+    return _decode(q, dtype, False)
+
+
+def _decode(q: FP4Tensor, dtype: torch.dtype, tensor_scale: bool) -> torch.Tensor:
     q = with_scale_layout(q, ScaleLayout.PLAIN)
     rows, lp = q.lead_shape.numel(), q.padded_len
     out = torch.empty(*q.lead_shape, lp, dtype=dtype, device=q.codes.device)
@@ -58,7 +68,7 @@ def dequantize(q: FP4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor
         nvfp4 = q.format is Format.NVFP4
         br, bc = 32, 128
         grid = (triton.cdiv(rows, br), triton.cdiv(lp, bc))
-        _dequantize_kernel[grid](q.codes, q.scales.view(torch.uint8), q.tensor_scale if nvfp4 else q.codes,
-                                 out, rows, lp, BLOCK=q.block_len, NVFP4=nvfp4,
+        _dequantize_kernel[grid](q.codes, q.scales.view(torch.uint8), q.tensor_scale if tensor_scale else q.codes,
+                                 out, rows, lp, BLOCK=q.block_len, NVFP4=nvfp4, TENSOR_SCALE=tensor_scale,
                                  BF16=dtype == torch.bfloat16, BR=br, BC=bc)
-    return restore(out, q.shape, q.axis)
+    return out

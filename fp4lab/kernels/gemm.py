@@ -9,9 +9,18 @@ bound 2 K 2^-24 (|A| |B|^T) alpha). A NaN block scale makes its outputs NaN, as 
 Under TRITON_INTERPRET=1 the dot takes the same exact values in fp32, because the interpreter's
 dot multiplies bf16 operands' raw bit patterns.
 
+Two ways to run it (``method``):
+    fused      the kernel below: one pass, decode in the main loop. On an H100 it reaches only
+               ~0.12 of cuBLAS BF16 (benchmarks/NOTES.md: the decode is ALU work the tensor
+               cores wait for, and register operands defeat Hopper's smem-fed pipeline).
+    two_stage  Triton decodes both operands to BF16 in memory (block_values: exact, no tensor
+               scale), cuBLAS multiplies with FP32 output, alpha is applied once: ~0.85 of BF16.
+    auto       two_stage on CUDA (the faster today), fused elsewhere.
+Both compute formats.gemm.emulated_mm's function; they differ only in FP32 summation order.
+
 Operands as formats.gemm: A [M, K] and B [N, K], both quantized along K in the same format.
 
-Public: ``fp4_mm``.
+Public: ``fp4_mm``, ``GemmMethod``.
 """
 
 from __future__ import annotations
@@ -22,10 +31,20 @@ import torch
 import triton
 import triton.language as tl
 
-from ..formats.gemm import _check_pair
+from ..formats.gemm import _check_pair, gemm_alpha
 from ..formats.layout import with_scale_layout
-from ..formats.types import Format, FP4Tensor, ScaleLayout
+from ..formats.types import Format, FP4Tensor, ScaleLayout, _Choice
+from .decode import block_values
 from .elements import e2m1_value, scale_value
+
+
+class GemmMethod(_Choice):
+    AUTO = "auto"
+    """two_stage on CUDA, fused elsewhere."""
+    FUSED = "fused"
+    """Decode packed codes in the GEMM's main loop."""
+    TWO_STAGE = "two_stage"
+    """Decode to BF16 in memory, then cuBLAS with FP32 output, then alpha."""
 
 
 @triton.jit
@@ -70,11 +89,15 @@ def _fp4_mm_kernel(a_codes, a_scales, b_codes, b_scales, a_tscale, b_tscale, c_p
              mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-def fp4_mm(qa: FP4Tensor, qb: FP4Tensor, *, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def fp4_mm(qa: FP4Tensor, qb: FP4Tensor, *, out_dtype: torch.dtype = torch.float32,
+           method: str | GemmMethod = GemmMethod.AUTO) -> torch.Tensor:
     """qa: A [M, K], qb: B [N, K], quantized along K -> C = A @ B^T: [M, N] ``out_dtype``."""
     m, n = _check_pair(qa, qb)
     if out_dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"fp4_mm writes float32 or bfloat16, got {out_dtype}")
+    method = GemmMethod.parse(method)
+    if method is GemmMethod.TWO_STAGE or (method is GemmMethod.AUTO and qa.codes.is_cuda):
+        return _two_stage(qa, qb, m, n, out_dtype)
     qa, qb = with_scale_layout(qa, ScaleLayout.PLAIN), with_scale_layout(qb, ScaleLayout.PLAIN)
     kp, bl = qa.padded_len, qa.block_len
     out = torch.empty(m, n, dtype=out_dtype, device=qa.codes.device)
@@ -91,3 +114,13 @@ def fp4_mm(qa: FP4Tensor, qb: FP4Tensor, *, out_dtype: torch.dtype = torch.float
                          m, n, kp, BLOCK=bl, NVFP4=nvfp4, BM=bm, BN=bn, BK=bk, GROUP_M=8,
                          DOT_F32=os.environ.get("TRITON_INTERPRET") == "1", num_warps=8, num_stages=3)
     return out
+
+
+def _two_stage(qa: FP4Tensor, qb: FP4Tensor, m: int, n: int, out_dtype: torch.dtype) -> torch.Tensor:
+    a = block_values(qa, torch.bfloat16)[:m]  # [M, Kp] exact
+    b = block_values(qb, torch.bfloat16)[:n]
+    if a.is_cuda:
+        acc = torch.mm(a, b.T, out_dtype=torch.float32)
+    else:  # the interpreter: the same exact values, an fp32 matmul
+        acc = a.float() @ b.float().T
+    return (acc * gemm_alpha(qa, qb)).to(out_dtype)

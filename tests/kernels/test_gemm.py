@@ -14,15 +14,20 @@ from tests.formats.test_gemm import _summation_bound, uniform_operand  # noqa: E
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+METHODS = ["fused", "two_stage"]
+
+
+@pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
-def test_uniform_codes_give_exactly_72(fmt):
-    out = fp4_mm(uniform_operand(40, 32, fmt).to(DEVICE), uniform_operand(24, 32, fmt).to(DEVICE))
+def test_uniform_codes_give_exactly_72(fmt, method):
+    out = fp4_mm(uniform_operand(40, 32, fmt).to(DEVICE), uniform_operand(24, 32, fmt).to(DEVICE), method=method)
     assert bool((out == 72.0).all())
 
 
+@pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("m,n,k,weights", [(64, 48, 128, "1x16"), (50, 70, 96, "16x16"), (130, 20, 64, "mxfp4"),
                                            (33, 200, 160, "1x16")])
-def test_matches_scaled_mm_to_summation_order(m, n, k, weights):
+def test_matches_scaled_mm_to_summation_order(m, n, k, weights, method):
     g = torch.Generator().manual_seed(m + n + k)
     x = torch.randn(m, k, generator=g) * torch.exp(2 * torch.randn(m, 1, generator=g))
     w = torch.randn(n, k, generator=g)
@@ -32,18 +37,19 @@ def test_matches_scaled_mm_to_summation_order(m, n, k, weights):
         qa = formats.quantize_nvfp4(x)
         qb = formats.quantize_nvfp4(w, block=16 if weights == "1x16" else (16, 16), pad=True)
     ref = formats.scaled_mm(qa, qb)
-    fast = fp4_mm(qa.to(DEVICE), qb.to(DEVICE)).cpu()
+    fast = fp4_mm(qa.to(DEVICE), qb.to(DEVICE), method=method).cpu()
     assert fast.shape == (m, n)
     assert bool(((fast.double() - ref.double()).abs() <= _summation_bound(qa, qb) + 1e-30).all())
-    bf16 = fp4_mm(qa.to(DEVICE), qb.to(DEVICE), out_dtype=torch.bfloat16).cpu()
+    bf16 = fp4_mm(qa.to(DEVICE), qb.to(DEVICE), out_dtype=torch.bfloat16, method=method).cpu()
     assert bf16.dtype == torch.bfloat16 and torch.allclose(bf16.float(), fast, rtol=2**-7, atol=0)
 
 
-def test_nan_scale_poisons_its_outputs():
+@pytest.mark.parametrize("method", METHODS)
+def test_nan_scale_poisons_its_outputs(method):
     x = torch.randn(16, 64)
     x[3, 20] = math.nan
     qa, qb = formats.quantize_nvfp4(x), formats.quantize_nvfp4(torch.randn(8, 64))
-    out = fp4_mm(qa.to(DEVICE), qb.to(DEVICE)).cpu()
+    out = fp4_mm(qa.to(DEVICE), qb.to(DEVICE), method=method).cpu()
     assert bool(out[3].isnan().all()) and bool(out[torch.arange(16) != 3].isfinite().all())
 
 
