@@ -42,7 +42,11 @@ def main() -> None:
         "nvfp4_sr": (lambda: kernels.quantize_nvfp4(x, rounding="stochastic", seed=1, **tri), nv_bytes),
         "nvfp4_2d_weight": (lambda: kernels.quantize_nvfp4(x, block=(16, 16), **tri), nv_bytes),
         "nvfp4_axis0": (lambda: kernels.quantize_nvfp4(x, axis=0, **tri), nv_bytes),
-        "nvfp4_rht_sr_unfused": (lambda: kernels.quantize_nvfp4(
+        "nvfp4_rht_sr": (lambda: kernels.quantize_nvfp4(x, axis=0, hadamard="te", rounding="stochastic", seed=1,
+                                                        **tri), nv_bytes),
+        "nvfp4_rht_sr_amax_given": (lambda: kernels.quantize_nvfp4(x, axis=0, hadamard="te", rounding="stochastic",
+                                                                   seed=1, global_amax=amax, **tri), nv_bytes),
+        "nvfp4_rht_sr_unfused_reference_rht": (lambda: kernels.quantize_nvfp4(
             formats.hadamard_transform(x, axis=0, signs="te"), axis=0, rounding="stochastic", seed=1, **tri),
             nv_bytes),
         "mxfp4_floor": (lambda: kernels.quantize_mxfp4(x, **tri), mx_bytes),
@@ -77,7 +81,8 @@ def main() -> None:
         print(f"{name:40s} {r['ms']:8.3f} {r['gbs']:8.0f} {r['over_copy']:6.2f} {r['eager_ms']:9.3f}")
     latest = {"quant_nvfp4_over_copy": rows["nvfp4_rtne"]["over_copy"],
               "quant_nvfp4_amax_given_over_copy": rows["nvfp4_rtne_amax_given"]["over_copy"],
-              "quant_rht_sr_over_copy": rows["nvfp4_rht_sr_unfused"]["over_copy"],
+              "quant_rht_sr_over_copy": rows["nvfp4_rht_sr"]["over_copy"],
+              "quant_rht_sr_amax_given_over_copy": rows["nvfp4_rht_sr_amax_given"]["over_copy"],
               "quant_mxfp4_over_copy": rows["mxfp4_floor"]["over_copy"]}
     print("saved", save("quantize", payload, latest))
 

@@ -30,6 +30,10 @@ the tile's 16 row blocks, so a weight and its transpose quantize to the same val
 
 Rounding: RTNE, or stochastic with rng.py's Philox bytes indexed in the stored [*lead, Lp] order.
 
+Hadamard (``hadamard=`` "none" | "te" | "random", the Wgrad operands of NVIDIA's recipe): x is
+first rotated by hadamard.py's 16-point transform along the quantized axis and rounded to x's
+dtype, then quantized; the tensor amax is that of the rotated tensor.
+
 Public: ``quantize_nvfp4``, ``nvfp4_tensor_terms``, ``nvfp4_block_scales``.
 """
 
@@ -39,8 +43,9 @@ import math
 
 import torch
 
-from .blocks import block_amax, blocks_of, finite_amax, prepare, stochastic_bytes
+from .blocks import block_amax, blocks_of, check_input, finite_amax, prepare, stochastic_bytes
 from .codes import E4M3_NAN, FLT_MAX, decode_e4m3, encode_e2m1, encode_e4m3, pack_nibbles
+from .hadamard import hadamard_transform
 from .types import Format, FP4Tensor, NVFP4Profile, Rounding
 
 _f32 = lambda v, device: torch.tensor(v, dtype=torch.float32, device=device)  # noqa: E731
@@ -51,7 +56,8 @@ def quantize_nvfp4(x: torch.Tensor, *, axis: int = -1, block: int | tuple[int, i
                    seed: int | torch.Generator | None = None,
                    profile: str | NVFP4Profile = NVFP4Profile.TE,
                    global_amax: float | torch.Tensor | None = None,
-                   pad: bool = False) -> FP4Tensor:
+                   pad: bool = False, hadamard: str | None = None,
+                   hadamard_seed: int | torch.Generator | None = None) -> FP4Tensor:
     """x: [...] float32/bf16/fp16 -> FP4Tensor with codes [*lead, L/2] and scales [*lead, L/16].
 
     axis: the contraction axis the 16-element blocks run along; it is stored last.
@@ -60,10 +66,14 @@ def quantize_nvfp4(x: torch.Tensor, *, axis: int = -1, block: int | tuple[int, i
     seed: int, torch.Generator, or None (drawn from torch's default generator) for stochastic.
     global_amax: use this amax instead of x's own (e.g. all-reduced across ranks); must be finite.
     pad: zero-pad the quantized axis (and the other one for 16x16) to the block size.
+    hadamard / hadamard_seed: rotate x first (signs "none", "te" or "random" from the seed).
     """
     block2 = _nvfp4_block(block)
     rounding = Rounding.parse(rounding)
     profile = NVFP4Profile.parse(profile)
+    if hadamard is not None:
+        check_input(x, axis, block2, pad)  # report the caller's shape before the transform's
+        x = hadamard_transform(x, axis=axis, size=16, signs=hadamard, seed=hadamard_seed)
     xm, axis = prepare(x, axis, block2, pad)
     amax = finite_amax(xm) if global_amax is None else _check_amax(global_amax, xm.device)
     xb = blocks_of(xm, 16)  # [*lead, nb, 16]

@@ -15,6 +15,7 @@ are byte-identical to fp4lab.formats (tested exhaustively under TRITON_INTERPRET
     philox_bytes(seed, g) Philox4x32-10 of counter g -> the 16 bytes of group g (rng.py's layout)
     widen(x, BF16_BITS)   loaded input (bf16 as int16 bits) -> fp32, exactly
     to_bf16_rtne(x)       fp32 -> bf16 round to nearest even, in integers (same on every backend)
+    round_to_bf16(x)      fp32 -> fp32 rounded to bf16
     pack_nibble_pairs(c)  [.., 2n] codes -> [.., n] bytes, element 2i in the low nibble
 
 Public: the functions above (``@triton.jit``, callable from kernels only).
@@ -106,6 +107,12 @@ def to_bf16_rtne(x):
     rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
     nan = (bits & 0x7FFFFFFF) > 0x7F800000
     return tl.where(nan, 0x7FC0, rounded).to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def round_to_bf16(x):
+    """x: fp32 -> fp32 holding x rounded to bf16 (nearest even), exactly on every backend."""
+    return (to_bf16_rtne(x).to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
 
 
 @triton.jit

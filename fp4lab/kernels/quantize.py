@@ -28,10 +28,15 @@ from ..formats.mxfp4 import MX_BLOCK
 from ..formats.nvfp4 import _check_amax, _nvfp4_block, nvfp4_tensor_terms
 from ..formats.types import Format, FP4Tensor, MXScaleMode, NVFP4Profile, Rounding
 from .amax import finite_amax
-from .elements import e2m1_rtne, e2m1_stochastic, e4m3_rtne, e4m3_value, pack_nibble_pairs, philox_bytes, widen
+from ..formats.hadamard import TE_SIGNS, HadamardSigns
+from .elements import (e2m1_rtne, e2m1_stochastic, e4m3_rtne, e4m3_value, pack_nibble_pairs, philox_bytes,
+                       round_to_bf16, widen)
 
 # SCALE_RULE values
 TE, TORCHAO = 0, 1
+# HADAMARD values: no transform, or formats.hadamard's signs
+HADAMARD_RULES = {HadamardSigns.NONE: 1, HadamardSigns.TE: 2, HadamardSigns.RANDOM: 3}
+TE_NEGATIVE = tl.constexpr(sum(1 << j for j, s in enumerate(TE_SIGNS) if s < 0))
 MX_RULES = {MXScaleMode.FLOOR: 2, MXScaleMode.CEIL: 3, MXScaleMode.EVEN: 4, MXScaleMode.RCEIL: 5}
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
@@ -45,6 +50,29 @@ def _tensor_terms(amax, RULE: tl.constexpr):
         return tl.div_rn(1.0, s_enc), s_enc * 0.1666666716337204  # fp32(1/6)
     s_dec = tl.div_rn(tl.where(amax == 0, 1.0, amax), 2688.0)
     return s_dec, tl.minimum(tl.div_rn(1.0, s_dec), FLT_MAX)
+
+
+@triton.jit
+def _hadamard16(x, seed, RULE: tl.constexpr, ROUND_BF16: tl.constexpr, BR: tl.constexpr, NB: tl.constexpr):
+    """x: [BR, NB, 16] fp32 -> each 16-run times diag(signs) H16 / 4, in formats.hadamard's butterfly
+    order (so the fp32 sums are the reference's), rounded to bf16 when the input was bf16."""
+    j = tl.arange(0, 16)
+    if RULE == 2:
+        negative = (TE_NEGATIVE >> j) & 1
+    elif RULE == 3:  # random signs: bit 0 of Philox bytes 0..15 of hadamard_seed (rng.random_bytes)
+        negative = tl.reshape(philox_bytes(seed, tl.zeros((1, 1), dtype=tl.int64)), (16,)) & 1
+    else:
+        negative = j * 0
+    v = x * (1 - 2 * negative).to(tl.float32)[None, None, :]
+    for stage in tl.static_range(4):
+        h: tl.constexpr = 1 << stage
+        pairs = tl.permute(tl.reshape(v, (BR, NB, 16 // (2 * h), 2, h)), (0, 1, 2, 4, 3))
+        a, b = tl.split(pairs)
+        v = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 2, 4, 3)), (BR, NB, 16))
+    v = v * 0.25
+    if ROUND_BF16:
+        v = round_to_bf16(v)
+    return v
 
 
 @triton.jit
@@ -69,17 +97,24 @@ def _mx_exponent(bamax, RULE: tl.constexpr):
 
 
 @triton.jit
-def _fp4_quantize_kernel(x_ptr, codes_ptr, scales_ptr, amax_ptr, s_dec_ptr, seed,
+def _fp4_quantize_kernel(x_ptr, codes_ptr, scales_ptr, amax_ptr, s_dec_ptr, seed, hadamard_seed,
                          R, L, R_OUT, LP, stride_r, stride_c,
                          SCALE_RULE: tl.constexpr, BLOCK: tl.constexpr, TILE_ROWS: tl.constexpr,
-                         STOCHASTIC: tl.constexpr, BF16_BITS: tl.constexpr,
-                         BR: tl.constexpr, BC: tl.constexpr):
+                         STOCHASTIC: tl.constexpr, BF16_BITS: tl.constexpr, HADAMARD: tl.constexpr,
+                         AMAX_ONLY: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
     NB: tl.constexpr = BC // BLOCK
     rows = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
     cols = (tl.program_id(1) * BC + tl.arange(0, BC)).to(tl.int64)
     inside = (rows[:, None] < R) & (cols[None, :] < L)
     x = tl.load(x_ptr + rows[:, None] * stride_r + cols[None, :] * stride_c, mask=inside, other=0.0)
     x = tl.reshape(widen(x, BF16_BITS), (BR, NB, BLOCK))
+    if HADAMARD > 0:
+        x = _hadamard16(x, hadamard_seed, HADAMARD, BF16_BITS, BR, NB)
+    if AMAX_ONLY:  # the first pass of a rotated quantize: the rotated tensor's finite amax
+        bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+        tile_max = tl.max(tl.max(tl.max(tl.where(bits < 0x7F800000, bits, 0), axis=2), axis=1), axis=0)
+        tl.atomic_max(amax_ptr, tile_max)
+        return
 
     # one integer reduction gives both the amax and the verdict: |x| bits order like |x|, and a
     # block whose largest bits are Inf/NaN's (>= 0x7F800000) is poisoned, its amax unused
@@ -91,7 +126,7 @@ def _fp4_quantize_kernel(x_ptr, codes_ptr, scales_ptr, amax_ptr, s_dec_ptr, seed
     bamax = tl.where(bad > 0, 0, amax_bits).to(tl.float32, bitcast=True)
 
     if SCALE_RULE < 2:
-        s_dec, mult = _tensor_terms(tl.load(amax_ptr), SCALE_RULE)
+        s_dec, mult = _tensor_terms(tl.load(amax_ptr).to(tl.float32, bitcast=True), SCALE_RULE)
         if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
             tl.store(s_dec_ptr, s_dec)
     if SCALE_RULE == 0:  # NVFP4 te: s_b = e4m3(min(amax_b * (S_enc/6), 448)), e_b = 1/(s_b S_dec)
@@ -142,8 +177,8 @@ def _strided_2d(x: torch.Tensor, axis: int) -> tuple[torch.Tensor, int, int, int
 
 
 def _launch(x: torch.Tensor, axis: int, block: tuple[int, int], pad: bool, rule: int,
-            amax: torch.Tensor | None, s_dec: torch.Tensor | None, stochastic: bool,
-            seed: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+            amax: torch.Tensor | None, s_dec: torch.Tensor | None, stochastic: bool, seed: int,
+            hadamard: int = 0, hadamard_seed: int = 0, amax_only: bool = False) -> tuple[torch.Tensor, torch.Tensor, int]:
     axis, pads = check_input(x, axis, block, pad)
     src, rows, length, stride_r, stride_c = _strided_2d(x, axis)
     lp, rows_out = length + pads[0], rows + pads[1]
@@ -160,9 +195,11 @@ def _launch(x: torch.Tensor, axis: int, block: tuple[int, int], pad: bool, rule:
         bf16 = src.dtype == torch.bfloat16
         _fp4_quantize_kernel[grid](src.view(torch.int16) if bf16 else src, codes, scales,
                                    codes if amax is None else amax, codes if s_dec is None else s_dec, seed,
+                                   hadamard_seed,
                                    rows, length, rows_out, lp, stride_r, stride_c,
                                    SCALE_RULE=rule, BLOCK=block[1], TILE_ROWS=block[0],
-                                   STOCHASTIC=stochastic, BF16_BITS=bf16, BR=br, BC=bc)
+                                   STOCHASTIC=stochastic, BF16_BITS=bf16, HADAMARD=hadamard,
+                                   AMAX_ONLY=amax_only, BR=br, BC=bc)
     return codes, scales, axis
 
 
@@ -178,22 +215,37 @@ def _seed(rounding: Rounding, seed: int | torch.Generator | None) -> int:
 def quantize_nvfp4(x: torch.Tensor, *, axis: int = -1, block: int | tuple[int, int] = 16,
                    rounding: str | Rounding = Rounding.RTNE, seed: int | torch.Generator | None = None,
                    profile: str | NVFP4Profile = NVFP4Profile.TE,
-                   global_amax: float | torch.Tensor | None = None, pad: bool = False) -> FP4Tensor:
-    """Triton twin of fp4lab.formats.quantize_nvfp4 (same arguments, same bytes)."""
+                   global_amax: float | torch.Tensor | None = None, pad: bool = False,
+                   hadamard: str | HadamardSigns | None = None,
+                   hadamard_seed: int | torch.Generator | None = None) -> FP4Tensor:
+    """Triton twin of fp4lab.formats.quantize_nvfp4 (same arguments, same bytes); the Hadamard
+    rotation is fused into the quantize (and into its amax pass)."""
     block2, rounding, profile = _nvfp4_block(block), Rounding.parse(rounding), NVFP4Profile.parse(profile)
     check_input(x, axis, block2, pad)
-    if global_amax is None:
-        amax = finite_amax(x)
+    rotation, h_seed = 0, 0
+    if hadamard is not None:
+        signs = HadamardSigns.parse(hadamard)
+        rotation = HADAMARD_RULES[signs]
+        h_seed = _seed(Rounding.STOCHASTIC, hadamard_seed) if signs is HadamardSigns.RANDOM else 0
+        if x.dtype not in (torch.float32, torch.bfloat16) or x.shape[axis] % 16:
+            from .. import formats  # fp16 rounding / ragged axes: the reference's path and errors
+            return formats.quantize_nvfp4(x, axis=axis, block=block2, rounding=rounding, seed=seed, profile=profile,
+                                          global_amax=global_amax, pad=pad, hadamard=signs, hadamard_seed=hadamard_seed)
+    if global_amax is None and rotation:
+        amax = torch.zeros((), dtype=torch.int32, device=x.device)
+        _launch(x, axis, block2, pad, TE, amax, None, False, 0, rotation, h_seed, amax_only=True)
+    elif global_amax is None:
+        amax = finite_amax(x).view(torch.int32)
     elif isinstance(global_amax, torch.Tensor) and global_amax.is_cuda:
-        amax = global_amax.reshape(()).to(torch.float32)
+        amax = global_amax.reshape(()).to(torch.float32).view(torch.int32)
     else:
-        amax = _check_amax(global_amax, x.device)
+        amax = _check_amax(global_amax, x.device).view(torch.int32)
     s_dec = torch.ones((), dtype=torch.float32, device=x.device)  # written by the kernel
     if x.numel() == 0:
-        s_dec = nvfp4_tensor_terms(amax, profile)[0]
+        s_dec = nvfp4_tensor_terms(amax.view(torch.float32), profile)[0]
     rule = TE if profile is NVFP4Profile.TE else TORCHAO
     codes, scales, axis = _launch(x, axis, block2, pad, rule, amax, s_dec, rounding is Rounding.STOCHASTIC,
-                                  _seed(rounding, seed))
+                                  _seed(rounding, seed), rotation, h_seed)
     return FP4Tensor(codes=codes, scales=scales.view(torch.float8_e4m3fn), tensor_scale=s_dec,
                      shape=x.shape, axis=axis, block=block2, format=Format.NVFP4, rounding=rounding,
                      profile=profile)

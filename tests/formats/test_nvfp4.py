@@ -208,6 +208,17 @@ def test_tiny_tensors_stay_finite_in_both_profiles():
         assert bool(dequantize(q).isfinite().all())
 
 
+@pytest.mark.parametrize("signs,seed", [("none", None), ("te", None), ("random", 9)])
+def test_hadamard_option_rotates_then_quantizes(signs, seed):
+    from fp4lab.formats import hadamard_transform
+    x = sample((64, 48), 6).bfloat16()
+    q = quantize_nvfp4(x, axis=0, hadamard=signs, hadamard_seed=seed, rounding="stochastic", seed=1)
+    rotated = hadamard_transform(x, axis=0, signs=signs, seed=seed)
+    assert rotated.dtype == torch.bfloat16  # TE rounds the rotated tensor to bf16
+    ref = quantize_nvfp4(rotated, axis=0, rounding="stochastic", seed=1)
+    assert torch.equal(q.codes, ref.codes) and torch.equal(scale_bytes(q), scale_bytes(ref))
+
+
 def test_global_amax_is_used():
     x = sample((4, 32), 3)
     q = quantize_nvfp4(x, global_amax=100.0)

@@ -44,7 +44,10 @@ def hard_input(shape, seed, dtype=torch.float32):
 NVFP4_CASES = [dict(), dict(profile="torchao"), dict(block=(16, 16)), dict(axis=0),
                dict(axis=0, block=(16, 16)), dict(rounding="stochastic", seed=7),
                dict(axis=0, rounding="stochastic", seed=2**40 + 3, profile="torchao"),
-               dict(global_amax=3.0), dict(global_amax=0.0)]
+               dict(global_amax=3.0), dict(global_amax=0.0),
+               dict(axis=0, hadamard="te", rounding="stochastic", seed=3),
+               dict(hadamard="random", hadamard_seed=77, profile="torchao"),
+               dict(axis=0, hadamard="none", global_amax=50.0)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
