@@ -1,7 +1,8 @@
 """The reference block-scaled FP4 GEMM, C = A @ B^T, and its BF16 emulation.
 
-Both operands are quantized along K, the contraction axis: A is [M, K] (stored [M, K/2]) and B
-is [N, K] (stored [N, K/2]); a 16x16-tiled weight works the same. ``scaled_mm`` follows the
+Both operands are quantized along K, the contraction axis, and stored K-last: A is [M, K]
+quantized along axis 1 (stored [M, K/2]) or A^T, a [K, M] tensor quantized along axis 0 (stored
+the same way: TE's columnwise copy); likewise B. A 16x16-tiled weight works the same. ``scaled_mm`` follows the
 hardware semantics (NUMERICS.md "Scaled GEMM semantics")::
 
     acc[m, n] = sum over blocks j, in order j = 0, 1, ...:
@@ -31,13 +32,12 @@ from .types import FP4Tensor
 
 
 def _operand(q: FP4Tensor, name: str) -> int:
-    """Check one GEMM operand; return its logical row count (M for A, N for B)."""
+    """Check one GEMM operand; return its row count (M for A, N for B): the axis not quantized."""
     if not isinstance(q, FP4Tensor):
         raise TypeError(f"{name} must be an FP4Tensor, got {type(q).__name__}")
-    if len(q.shape) != 2 or q.axis != 1:
-        raise ValueError(f"{name} must be a 2D tensor quantized along its last axis (K), got "
-                         f"shape {tuple(q.shape)} quantized along axis {q.axis}")
-    return q.shape[0]
+    if len(q.shape) != 2:
+        raise ValueError(f"{name} must be a quantized 2D tensor, got shape {tuple(q.shape)}")
+    return q.shape[1 - q.axis]
 
 
 def _check_pair(qa: FP4Tensor, qb: FP4Tensor) -> tuple[int, int]:
@@ -45,7 +45,7 @@ def _check_pair(qa: FP4Tensor, qb: FP4Tensor) -> tuple[int, int]:
     if qa.format is not qb.format or qa.block_len != qb.block_len:
         raise ValueError(f"operands must share a format and block length, got {qa.format}/"
                          f"{qa.block_len} and {qb.format}/{qb.block_len}")
-    if qa.shape[1] != qb.shape[1] or qa.padded_len != qb.padded_len:
+    if qa.shape[qa.axis] != qb.shape[qb.axis] or qa.padded_len != qb.padded_len:
         raise ValueError(f"K mismatch: qa is {tuple(qa.shape)}, qb is {tuple(qb.shape)}")
     return m, n
 

@@ -53,6 +53,14 @@ def _tensor_terms(amax, RULE: tl.constexpr):
 
 
 @triton.jit
+def _butterfly_stage(v, H: tl.constexpr, BR: tl.constexpr, NB: tl.constexpr):
+    """One stage of formats.hadamard._butterfly: pairs (i, i + H) in runs of 2H -> (a + b, a - b)."""
+    pairs = tl.permute(tl.reshape(v, (BR, NB, 16 // (2 * H), 2, H)), (0, 1, 2, 4, 3))
+    a, b = tl.split(pairs)
+    return tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 2, 4, 3)), (BR, NB, 16))
+
+
+@triton.jit
 def _hadamard16(x, seed, RULE: tl.constexpr, ROUND_BF16: tl.constexpr, BR: tl.constexpr, NB: tl.constexpr):
     """x: [BR, NB, 16] fp32 -> each 16-run times diag(signs) H16 / 4, in formats.hadamard's butterfly
     order (so the fp32 sums are the reference's), rounded to bf16 when the input was bf16."""
@@ -64,11 +72,8 @@ def _hadamard16(x, seed, RULE: tl.constexpr, ROUND_BF16: tl.constexpr, BR: tl.co
     else:
         negative = j * 0
     v = x * (1 - 2 * negative).to(tl.float32)[None, None, :]
-    for stage in tl.static_range(4):
-        h: tl.constexpr = 1 << stage
-        pairs = tl.permute(tl.reshape(v, (BR, NB, 16 // (2 * h), 2, h)), (0, 1, 2, 4, 3))
-        a, b = tl.split(pairs)
-        v = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 2, 4, 3)), (BR, NB, 16))
+    v = _butterfly_stage(_butterfly_stage(_butterfly_stage(_butterfly_stage(v, 1, BR, NB), 2, BR, NB), 4, BR, NB),
+                         8, BR, NB)
     v = v * 0.25
     if ROUND_BF16:
         v = round_to_bf16(v)

@@ -76,7 +76,14 @@ def test_mismatched_operands():
         scaled_mm(a, quantize_nvfp4(torch.randn(4, 64)))
     with pytest.raises(ValueError, match="format"):
         scaled_mm(a, quantize_mxfp4(torch.randn(4, 32)))
-    with pytest.raises(ValueError, match="along its last axis"):
-        scaled_mm(a, quantize_nvfp4(torch.randn(32, 4), axis=0))
+    with pytest.raises(ValueError, match="2D"):
+        scaled_mm(a, quantize_nvfp4(torch.randn(2, 4, 32)))
+
+
+def test_a_columnwise_operand_is_its_transpose():
+    x, w = sample((16, 64), 1), sample((32, 64), 2)
+    qa = quantize_nvfp4(x)
+    cols = quantize_nvfp4(w.T.contiguous(), axis=0)  # W^T [64, 32] along axis 0: stored [32, 32]
+    assert torch.equal(scaled_mm(qa, cols), scaled_mm(qa, quantize_nvfp4(w)))
     with pytest.raises(TypeError, match="FP4Tensor"):
         scaled_mm(a, torch.randn(4, 32))
