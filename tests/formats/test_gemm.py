@@ -78,6 +78,8 @@ def test_mismatched_operands():
         scaled_mm(a, quantize_mxfp4(torch.randn(4, 32)))
     with pytest.raises(ValueError, match="2D"):
         scaled_mm(a, quantize_nvfp4(torch.randn(2, 4, 32)))
+    with pytest.raises(TypeError, match="FP4Tensor"):
+        scaled_mm(a, torch.randn(4, 32))
 
 
 def test_a_columnwise_operand_is_its_transpose():
@@ -85,5 +87,3 @@ def test_a_columnwise_operand_is_its_transpose():
     qa = quantize_nvfp4(x)
     cols = quantize_nvfp4(w.T.contiguous(), axis=0)  # W^T [64, 32] along axis 0: stored [32, 32]
     assert torch.equal(scaled_mm(qa, cols), scaled_mm(qa, quantize_nvfp4(w)))
-    with pytest.raises(TypeError, match="FP4Tensor"):
-        scaled_mm(a, torch.randn(4, 32))
