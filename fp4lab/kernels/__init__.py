@@ -6,10 +6,12 @@ TRITON forces Triton (CUDA, or any device under TRITON_INTERPRET=1). The environ
 FP4LAB_BACKEND sets the default. Where Triton is missing, AUTO warns once and uses the reference.
 Triton is imported here lazily, so this package imports on a machine without it.
 
-Files: elements.py (device functions for codes), quantize.py (NVFP4/MXFP4 quantize),
-amax.py (tensor amax pass), decode.py (dequantize).
+Files: elements.py (device functions for codes), quantize.py (NVFP4/MXFP4 quantize, fused
+Hadamard), amax.py (tensor amax pass), decode.py (dequantize), gemm.py (emulated FP4 GEMM).
+Speed: benchmarks/README.md; correctness: tests/kernels (bytes equal to fp4lab.formats).
 
-Public: ``Backend``, ``quantize_nvfp4``, ``quantize_mxfp4``, ``dequantize``, ``fake_quantize``.
+Public: ``Backend``, ``quantize_nvfp4``, ``quantize_mxfp4``, ``dequantize``, ``fake_quantize``,
+``fp4_mm``.
 """
 
 from __future__ import annotations
@@ -83,6 +85,16 @@ def dequantize(q: FP4Tensor, dtype: torch.dtype = torch.float32, *,
         from .decode import dequantize as fast
         return fast(q, dtype)
     return formats.dequantize(q, dtype)
+
+
+def fp4_mm(qa: FP4Tensor, qb: FP4Tensor, *, out_dtype: torch.dtype = torch.float32,
+           backend: str | Backend | None = None, **kwargs) -> torch.Tensor:
+    """C = A @ B^T from FP4 operands (formats.gemm's conventions): Triton/cuBLAS on CUDA
+    (kernels.gemm.fp4_mm, ``method=`` "auto" | "fused" | "two_stage"), formats.emulated_mm otherwise."""
+    if _use_triton(qa.codes, backend):
+        from .gemm import fp4_mm as fast
+        return fast(qa, qb, out_dtype=out_dtype, **kwargs)
+    return formats.emulated_mm(qa, qb, out_dtype=out_dtype)
 
 
 def fake_quantize(x: torch.Tensor, fmt: str = "nvfp4", *, backend: str | Backend | None = None,
