@@ -120,6 +120,8 @@ def test_backend_choice(monkeypatch):
     if DEVICE == "cpu":
         with pytest.raises(RuntimeError, match="CUDA tensor or TRITON_INTERPRET=1"):
             kernels.quantize_nvfp4(x, backend="triton")
+    qx, qw = formats.quantize_nvfp4(x), formats.quantize_nvfp4(torch.randn(8, 32))
+    assert torch.equal(kernels.fp4_mm(qx, qw), formats.emulated_mm(qx, qw))  # CPU: the reference
     monkeypatch.setenv("FP4LAB_BACKEND", "reference")
     assert torch.equal(kernels.quantize_mxfp4(x.to(DEVICE)).codes.cpu(), formats.quantize_mxfp4(x).codes)
 
