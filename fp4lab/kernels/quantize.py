@@ -191,9 +191,12 @@ def _launch(x: torch.Tensor, axis: int, block: tuple[int, int], pad: bool, rule:
     lead.pop(axis)
     if block[0] != 1:
         lead = [rows_out]
-    codes = torch.empty(*lead, lp // 2, dtype=torch.uint8, device=x.device)
-    scales = torch.empty(*lead, lp // block[1], dtype=torch.uint8, device=x.device)
-    if codes.numel():
+    if amax_only:  # the kernel returns before any store: no output buffers
+        codes = scales = amax
+    else:
+        codes = torch.empty(*lead, lp // 2, dtype=torch.uint8, device=x.device)
+        scales = torch.empty(*lead, lp // block[1], dtype=torch.uint8, device=x.device)
+    if rows_out * lp:
         # a transposed read (axis 0) is contiguous down the rows: tall tiles keep it coalesced
         br, bc = (128, 64) if stride_c != 1 else (32, 128)
         grid = (triton.cdiv(rows_out, br), triton.cdiv(lp, bc))
@@ -208,13 +211,16 @@ def _launch(x: torch.Tensor, axis: int, block: tuple[int, int], pad: bool, rule:
     return codes, scales, axis
 
 
-def _seed(rounding: Rounding, seed: int | torch.Generator | None) -> int:
-    if rounding is Rounding.RTNE:
-        return 0
+def _kernel_seed(seed: int | torch.Generator | None) -> int:
+    """A seed as the kernels take it: an int64 kernel argument."""
     value = resolve_seed(seed)
     if not 0 <= value < 2**63:
         raise ValueError(f"the Triton path takes seeds in [0, 2**63), got {value}")
     return value
+
+
+def _seed(rounding: Rounding, seed: int | torch.Generator | None) -> int:
+    return 0 if rounding is Rounding.RTNE else _kernel_seed(seed)
 
 
 def quantize_nvfp4(x: torch.Tensor, *, axis: int = -1, block: int | tuple[int, int] = 16,
@@ -231,7 +237,7 @@ def quantize_nvfp4(x: torch.Tensor, *, axis: int = -1, block: int | tuple[int, i
     if hadamard is not None:
         signs = HadamardSigns.parse(hadamard)
         rotation = HADAMARD_RULES[signs]
-        h_seed = _seed(Rounding.STOCHASTIC, hadamard_seed) if signs is HadamardSigns.RANDOM else 0
+        h_seed = _kernel_seed(hadamard_seed) if signs is HadamardSigns.RANDOM else 0
         if x.dtype not in (torch.float32, torch.bfloat16) or x.shape[axis] % 16:
             from .. import formats  # fp16 rounding / ragged axes: the reference's path and errors
             return formats.quantize_nvfp4(x, axis=axis, block=block2, rounding=rounding, seed=seed, profile=profile,
