@@ -44,6 +44,20 @@ def _inspect(path: Path, args: argparse.Namespace) -> int:
     return 0
 
 
+def _study(args: argparse.Namespace) -> int:
+    from .studies import conversion
+
+    if args.list or args.name is None:
+        print(f"conversion  MXFP4 -> NVFP4 on {len(conversion.SCENARIOS)} scenarios; arms: "
+              f"{', '.join(conversion.METHODS)}; CPU, about a minute")
+        return 0
+    out = args.out or Path("results") / args.name
+    receipt = conversion.run(out, mx_mode=args.mx_mode)
+    print(conversion.report(receipt))
+    print(f"wrote {out / 'receipt.json'} and {out / 'table.md'}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fp4lab", description="Bit-exact FP4 (NVFP4, MXFP4) research tools")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -53,10 +67,18 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("demo", help="generate LLM-shaped tensors and inspect them in NVFP4 and MXFP4")
     p.add_argument("--out", type=Path, default=None, help="where to write the demo tensors")
     _add_encoding_args(p)
+    p = sub.add_parser("study", help="run a published FP4 finding as a study (today: conversion)")
+    p.add_argument("name", nargs="?", choices=["conversion"], help="the study to run")
+    p.add_argument("--list", action="store_true", help="list the studies with their arms")
+    p.add_argument("--out", type=Path, default=None, help="output folder (default results/<name>)")
+    p.add_argument("--mx-mode", choices=["floor", "ceil", "even", "rceil"], default="rceil",
+                   help="MXFP4 encoder of the conversion study's inputs")
     args = parser.parse_args(argv)
     try:
         if args.command == "inspect":
             return _inspect(args.file, args)
+        if args.command == "study":
+            return _study(args)
         from .inspect import write_demo_tensors
         with tempfile.TemporaryDirectory() as tmp:
             path = write_demo_tensors(args.out or Path(tmp) / "demo.safetensors")

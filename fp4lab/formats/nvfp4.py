@@ -39,7 +39,6 @@ Public: ``quantize_nvfp4``, ``nvfp4_tensor_terms``, ``nvfp4_block_scales``.
 
 from __future__ import annotations
 
-import math
 
 import torch
 
@@ -126,8 +125,8 @@ def _nvfp4_block(block: int | tuple[int, int]) -> tuple[int, int]:
 
 def _check_amax(global_amax: float | torch.Tensor, device: torch.device) -> torch.Tensor:
     if not isinstance(global_amax, torch.Tensor):  # check on the host, then fill: no copy, no sync
-        if not (math.isfinite(global_amax) and global_amax >= 0):
-            raise ValueError(f"global_amax must be finite and >= 0, got {global_amax}")
+        if not (0 <= global_amax <= FLT_MAX):  # NaN fails too
+            raise ValueError(f"global_amax must be a finite float32 value >= 0, got {global_amax}")
         return torch.full((), global_amax, dtype=torch.float32, device=device)
     amax = global_amax.to(device=device, dtype=torch.float32).reshape(())
     if not bool(torch.isfinite(amax)) or bool(amax < 0):

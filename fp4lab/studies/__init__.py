@@ -1,0 +1,1 @@
+"""fp4lab.studies: published FP4 findings as data, each runnable with one command."""
