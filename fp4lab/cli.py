@@ -58,6 +58,25 @@ def _study(args: argparse.Namespace) -> int:
     return 0
 
 
+def _convert(args: argparse.Namespace) -> int:
+    from .convert.checkpoint import convert_checkpoint, verify_checkpoint
+
+    report = convert_checkpoint(args.src, args.dst, layout=args.layout, method=args.method)
+    for base, r in report.items():
+        cost = "lossless" if r["lossless"] else f"mse {r['mse']:.3g}"
+        print(f"{base}: {r['method']}, spread {r['spread']}, m {r['m']}, {cost}")
+    print(f"wrote {args.dst} ({len(report)} tensors converted)")
+    if args.verify:
+        diffs = verify_checkpoint(args.src, args.dst, layout=args.layout)
+        bad = [b for b, d in diffs.items() if report[b]["lossless"] and d != 0]
+        if bad:
+            print(f"verify FAILED: {bad}", file=sys.stderr)
+            return 1
+        print(f"verified: every copied tensor equal; {sum(r['lossless'] for r in report.values())} converted "
+              "tensors bit-exact to the MXFP4 values, the rest within their reported MSE")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fp4lab", description="Bit-exact FP4 (NVFP4, MXFP4) research tools")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -73,8 +92,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None, help="output folder (default results/<name>)")
     p.add_argument("--mx-mode", choices=["floor", "ceil", "even", "rceil"], default="rceil",
                    help="MXFP4 encoder of the conversion study's inputs")
+    p = sub.add_parser("convert", help="convert a gpt-oss-style MXFP4 safetensors checkpoint to NVFP4")
+    p.add_argument("src", type=Path)
+    p.add_argument("dst", type=Path)
+    p.add_argument("--to", choices=["nvfp4"], default="nvfp4")
+    p.add_argument("--layout", choices=["modelopt", "compressed-tensors"], default="modelopt")
+    p.add_argument("--method", choices=["requant", "verbatim-mid", "verbatim-search", "hybrid", "best"],
+                   default="best")
+    p.add_argument("--verify", action="store_true", help="read the output back and check every tensor")
     args = parser.parse_args(argv)
     try:
+        if args.command == "convert":
+            return _convert(args)
         if args.command == "inspect":
             return _inspect(args.file, args)
         if args.command == "study":

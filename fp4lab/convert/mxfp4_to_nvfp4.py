@@ -130,10 +130,15 @@ def mxfp4_to_nvfp4(q_mx: FP4Tensor, method: str | ConvertMethod = ConvertMethod.
         raise ValueError(f"{int((q.scales == UE8M0_NAN).sum())} MXFP4 block scales are NaN (0xFF): "
                          "there is no NVFP4 value to convert them to")
     k, live = _mx_exponents(q)
-    reference = block_values(q).double()  # exact MXFP4 values in the stored layout
-    count = q.shape.numel()
     k_max = int(k[live].max()) if live.any() else 0
     k_min = int(k[live].min()) if live.any() else 0
+    if method in (ConvertMethod.HYBRID, ConvertMethod.BEST) and k_max - k_min <= 17:
+        # every block in range at the closed-form m: verbatim is exact, so nothing can beat it
+        nv = _verbatim(q, k, live, k_max - 8)
+        return nv, ConversionReport(method=method.value, chosen="hybrid", spread=k_max - k_min, m=k_max - 8,
+                                    blocks=int(k.numel()), blocks_out_of_range=0, mse=0.0, rel_mse=0.0)
+    reference = block_values(q).double()  # exact MXFP4 values in the stored layout
+    count = q.shape.numel()
     lo, hi = sorted((k_max - 8, k_min + 9))  # the in-range interval of m, or its reversal (spread > 17)
     window = range(lo - SEARCH_WINDOW, hi + SEARCH_WINDOW + 1)
     window = [m for m in window if M_RANGE[0] <= m <= M_RANGE[1]]
