@@ -35,7 +35,6 @@ from .mxfp4_to_nvfp4 import mxfp4_to_nvfp4
 
 _DTYPES = {"U8": torch.uint8, "F8_E4M3": torch.float8_e4m3fn, "F32": torch.float32, "BF16": torch.bfloat16,
            "F16": torch.float16, "I64": torch.int64, "I32": torch.int32, "F64": torch.float64, "BOOL": torch.bool}
-_NAMES = {v: k for k, v in _DTYPES.items()}
 
 
 class Layout(_Choice):
@@ -159,8 +158,11 @@ def verify_checkpoint(src: str | Path, dst: str | Path, *, layout: str | Layout 
     codes_s, scales_s, scalar_s = _SUFFIXES[layout]
     result = {}
     with _open(Path(src)) as f, _open(Path(dst)) as g:
-        out_keys = set(g.keys())
-        for name, _, _, base in _plan(f, layout):
+        plan = _plan(f, layout)
+        missing = {name for name, *_ in plan} - set(g.keys())
+        if missing:
+            raise ValueError(f"{dst} lacks {sorted(missing)[:5]}")
+        for name, _, _, base in plan:
             if base is None:
                 if not torch.equal(f.get_tensor(name), g.get_tensor(name)):
                     raise ValueError(f"{name}: copied tensor differs")
@@ -174,7 +176,4 @@ def verify_checkpoint(src: str | Path, dst: str | Path, *, layout: str | Layout 
                            axis=mx.axis, block=(1, 16), format=Format.NVFP4, rounding="rtne",
                            profile=NVFP4Profile.TE)
             result[base] = float((dequantize(nv) - dequantize(mx)).abs().max()) if mx.shape.numel() else 0.0
-        missing = {n for n, *_ in _plan(f, layout)} - out_keys
-        if missing:
-            raise ValueError(f"{dst} lacks {sorted(missing)[:5]}")
     return result

@@ -100,10 +100,15 @@ def _requant(q: FP4Tensor, global_amax: float | None = None) -> FP4Tensor:
     return dataclasses.replace(nv, shape=q.shape, axis=q.axis)
 
 
+def _out_of_range(k: torch.Tensor, live: torch.Tensor, m: int) -> torch.Tensor:
+    """Blocks (not all zero) whose scale 2^(k_j - m) E4M3 cannot hold exactly."""
+    return live & (((k - m) < E4M3_EXP_MIN) | ((k - m) > E4M3_EXP_MAX))
+
+
 def _hybrid(q: FP4Tensor, k: torch.Tensor, live: torch.Tensor, m: int) -> tuple[FP4Tensor, int]:
     """Verbatim where k_j - m is in range, requantized with S_dec = 2^m elsewhere."""
     nv = _verbatim(q, k, live, m)
-    out = live & (((k - m) < E4M3_EXP_MIN) | ((k - m) > E4M3_EXP_MAX))
+    out = _out_of_range(k, live, m)
     if not out.any():
         return nv, 0
     rq = _requant(q, global_amax=2688.0 * 2.0**m)  # S_enc = 2^-m exactly, so S_dec = 2^m
@@ -144,16 +149,15 @@ def mxfp4_to_nvfp4(q_mx: FP4Tensor, method: str | ConvertMethod = ConvertMethod.
     window = [m for m in window if M_RANGE[0] <= m <= M_RANGE[1]]
 
     candidates: list[tuple[str, FP4Tensor, int | None, int]] = []  # earlier wins ties
-    if method is ConvertMethod.HYBRID:
-        candidates.append(("hybrid", *_with_m(_hybrid(q, k, live, k_max - 8), k_max - 8)))
-    if method is ConvertMethod.BEST:
-        for m in sorted(window, key=lambda m: m != k_max - 8):  # the closed form first
-            candidates.append(("hybrid", *_with_m(_hybrid(q, k, live, m), m)))
+    if method in (ConvertMethod.HYBRID, ConvertMethod.BEST):
+        ms = [k_max - 8] if method is ConvertMethod.HYBRID else sorted(window, key=lambda m: m != k_max - 8)
+        for m in ms:  # the closed form first
+            nv, out = _hybrid(q, k, live, m)
+            candidates.append(("hybrid", nv, m, out))
     if method in (ConvertMethod.VERBATIM_MID, ConvertMethod.VERBATIM_SEARCH):
         ms = [-(-(k_max + k_min + 1) // 2)] if method is ConvertMethod.VERBATIM_MID else window
         for m in ms:
-            out = int((live & (((k - m) < E4M3_EXP_MIN) | ((k - m) > E4M3_EXP_MAX))).sum())
-            candidates.append((method.value, _verbatim(q, k, live, m), m, out))
+            candidates.append((method.value, _verbatim(q, k, live, m), m, int(_out_of_range(k, live, m).sum())))
     if method in (ConvertMethod.REQUANT, ConvertMethod.BEST):
         candidates.append(("requant", _requant(q), None, 0))
 
@@ -165,8 +169,3 @@ def mxfp4_to_nvfp4(q_mx: FP4Tensor, method: str | ConvertMethod = ConvertMethod.
                               blocks=int(k.numel()), blocks_out_of_range=out, mse=mse,
                               rel_mse=mse / power if power > 0 else 0.0)
     return nv, report
-
-
-def _with_m(result: tuple[FP4Tensor, int], m: int) -> tuple[FP4Tensor, int, int]:
-    nv, out = result
-    return nv, m, out

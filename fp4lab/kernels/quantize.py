@@ -24,11 +24,11 @@ import triton
 import triton.language as tl
 
 from ..formats.blocks import check_input, resolve_seed
+from ..formats.hadamard import TE_SIGNS, HadamardSigns
 from ..formats.mxfp4 import MX_BLOCK
 from ..formats.nvfp4 import _check_amax, _nvfp4_block, nvfp4_tensor_terms
 from ..formats.types import Format, FP4Tensor, MXScaleMode, NVFP4Profile, Rounding
 from .amax import finite_amax
-from ..formats.hadamard import TE_SIGNS, HadamardSigns
 from .elements import (e2m1_rtne, e2m1_stochastic, e4m3_rtne, e4m3_value, pack_nibble_pairs, philox_bytes,
                        round_to_bf16, widen)
 
