@@ -1,0 +1,166 @@
+"""Mixture-of-Experts feed-forward: top-K routed SwiGLU experts plus always-on shared experts.
+
+Shape legend: T tokens, D model dim, F expert hidden dim, E routed experts, K experts per token.
+
+    scores_TE  = sigmoid(router(x)) or softmax(router(x))          router stays BF16 by default
+    choice_TK  = topk(scores_TE + bias_E, K)      the bias steers selection only (DeepSeek-V3's
+                                                  auxiliary-loss-free balancing)
+    weight_TK  = scores at choice, normalised to sum 1 per token
+    y_TD       = shared(x) + sum_k weight_TK * expert[choice_TK](x)
+
+Expert GEMMs are grouped: tokens sorted by expert (a stable sort), one GEMM per expert on its
+variable number of rows (``GroupedExperts._expert_mm``, the seam where FP4 plugs in: each
+expert's GEMMs follow the recipe through nn.linear.fp4_linear, with a tensor scale per expert
+operand). The combine un-sorts and sums the K contributions in a fixed order, so the forward is
+deterministic on GPU too (no atomics).
+
+Balancing: each training forward adds the tokens each expert received to ``load_E``;
+``update_bias()`` (after the optimizer step) moves ``bias_E += rate * sign(mean(load) - load)``
+and clears the count. An optional Switch-style auxiliary loss, ``aux_coef * E * sum_e f_e P_e``
+(f: fraction of routed slots, P: mean normalised score), is left in ``aux_loss`` for the model.
+``routing_stats()`` reports the load fractions of the last counts and their imbalance.
+
+Public: ``MoEConfig``, ``RouterKind``, ``GroupedExperts``, ``MoE``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..formats.types import _Choice
+from .linear import QuantContext, fp4_linear
+from .recipe import Recipe
+
+
+class RouterKind(_Choice):
+    SIGMOID = "sigmoid"
+    """Independent per-expert gates (DeepSeek-V3), top-K weights renormalised."""
+    SOFTMAX = "softmax"
+    """A distribution over experts (Mixtral, Switch), top-K weights renormalised."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoEConfig:
+    n_experts: int = 8
+    """E, routed experts."""
+    top_k: int = 2
+    """K, routed experts per token."""
+    n_shared: int = 1
+    """Shared experts (one dense SwiGLU of n_shared * expert_hidden), 0 for none."""
+    expert_hidden: int = 128
+    """F, each expert's SwiGLU hidden size (a multiple of 32 for FP4 blocks)."""
+    router: RouterKind = RouterKind.SIGMOID
+    bias_rate: float = 1e-3
+    """Step of the balancing bias per update (0 disables auxiliary-loss-free balancing)."""
+    aux_coef: float = 0.0
+    """Weight of the Switch-style load-balancing loss (0: none)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "router", RouterKind.parse(self.router))
+        if not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(f"top_k must be in [1, n_experts={self.n_experts}], got {self.top_k}")
+        if self.expert_hidden % 32 or self.expert_hidden <= 0:
+            raise ValueError(f"expert_hidden must be a positive multiple of 32, got {self.expert_hidden}")
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts: w_gate_EFD, w_up_EFD, w_down_EDF; x sorted by expert, counts per expert."""
+
+    def __init__(self, n_experts: int, dim: int, hidden: int):
+        super().__init__()
+        self.w_gate = nn.Parameter(torch.empty(n_experts, hidden, dim))
+        self.w_up = nn.Parameter(torch.empty(n_experts, hidden, dim))
+        self.w_down = nn.Parameter(torch.empty(n_experts, dim, hidden))
+        self.recipe: Recipe | None = None
+        self.name, self.context = "experts", QuantContext()
+
+    def use_recipe(self, recipe: Recipe, name: str, context: QuantContext) -> None:
+        """Run the expert GEMMs under ``recipe`` (called by nn.swap.quantize_model)."""
+        self.recipe, self.name, self.context = recipe, name, context
+
+    def _expert_mm(self, x_nD: torch.Tensor, w: torch.Tensor, label: str) -> torch.Tensor:
+        """x @ w^T for one expert's rows: BF16 or the recipe's three GEMMs."""
+        if self.recipe is None:
+            return F.linear(x_nD, w)
+        return fp4_linear(x_nD, w, None, self.recipe, name=f"{self.name}.{label}", context=self.context)
+
+    def forward(self, x_sorted_SD: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        outs = []
+        for e, x_nD in enumerate(x_sorted_SD.split(counts)):
+            if x_nD.shape[0] == 0:
+                continue
+            h_nF = F.silu(self._expert_mm(x_nD, self.w_gate[e], f"{e}.gate")) * \
+                self._expert_mm(x_nD, self.w_up[e], f"{e}.up")
+            outs.append(self._expert_mm(h_nF, self.w_down[e], f"{e}.down"))
+        return torch.cat(outs) if outs else x_sorted_SD.new_zeros(x_sorted_SD.shape)
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x)): the dense feed-forward, and the shared experts."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.gate = nn.Linear(dim, hidden, bias=False)
+        self.up = nn.Linear(dim, hidden, bias=False)
+        self.down = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class MoE(nn.Module):
+    def __init__(self, dim: int, cfg: MoEConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.router = nn.Linear(dim, cfg.n_experts, bias=False)
+        self.experts = GroupedExperts(cfg.n_experts, dim, cfg.expert_hidden)
+        self.shared = SwiGLU(dim, cfg.n_shared * cfg.expert_hidden) if cfg.n_shared else None
+        self.register_buffer("bias", torch.zeros(cfg.n_experts))  # persistent: resume needs it
+        self.register_buffer("load", torch.zeros(cfg.n_experts), persistent=False)
+        self.aux_loss: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x_TD = x.reshape(-1, shape[-1])
+        logits_TE = self.router(x_TD).float()
+        scores_TE = logits_TE.sigmoid() if self.cfg.router is RouterKind.SIGMOID else logits_TE.softmax(-1)
+        choice_TK = torch.topk(scores_TE + self.bias, self.cfg.top_k, dim=-1).indices
+        weight_TK = scores_TE.gather(-1, choice_TK)
+        weight_TK = weight_TK / weight_TK.sum(-1, keepdim=True).clamp_min(1e-20)
+
+        flat_S = choice_TK.reshape(-1)  # S = T * K routed slots
+        order_S = torch.argsort(flat_S, stable=True)
+        counts_E = torch.bincount(flat_S, minlength=self.cfg.n_experts)
+        # gathers by permutation only: their backward adds at distinct rows (deterministic)
+        x_sorted_SD = x_TD.repeat_interleave(self.cfg.top_k, dim=0)[order_S]
+        y_sorted_SD = self.experts(x_sorted_SD, counts_E.tolist())
+        y_SD = y_sorted_SD[torch.argsort(order_S)]  # un-sort
+        y_TD = (y_SD.view(-1, self.cfg.top_k, shape[-1]) * weight_TK[..., None].to(y_SD.dtype)).sum(1)
+        if self.shared is not None:
+            y_TD = y_TD + self.shared(x_TD)
+
+        if self.training:
+            self.load += counts_E.to(self.load.dtype)
+        if self.cfg.aux_coef:
+            f_E = counts_E.to(torch.float32) / flat_S.numel()
+            p_E = (scores_TE / scores_TE.sum(-1, keepdim=True)).mean(0)
+            self.aux_loss = self.cfg.aux_coef * self.cfg.n_experts * (f_E * p_E).sum()
+        return y_TD.reshape(shape)
+
+    @torch.no_grad()
+    def update_bias(self) -> None:
+        """bias += rate * sign(mean load - load); clears the load count (call after each step)."""
+        if self.cfg.bias_rate and self.load.sum() > 0:
+            self.bias += self.cfg.bias_rate * torch.sign(self.load.mean() - self.load)
+        self.load.zero_()
+
+    def routing_stats(self) -> dict[str, float | list[float]]:
+        """Load fractions per expert of the counts since the last update, and max / mean load."""
+        total = float(self.load.sum())
+        frac = (self.load / total).tolist() if total else [0.0] * self.cfg.n_experts
+        imbalance = float(self.load.max() / self.load.mean()) if total else float("nan")
+        return {"load": frac, "max_over_mean": imbalance, "bias_abs_max": float(self.bias.abs().max())}

@@ -1,0 +1,382 @@
+"""What an FP4 training run quantizes, and how: the recipe, as plain data.
+
+A linear layer runs three GEMMs, each written C = A @ B^T with both operands quantized along
+the contraction axis (fp4lab.formats.gemm's convention)::
+
+    fprop  y  = x @ W^T     A = x  [M, K]   B = W   [N, K]     contraction K (features in)
+    dgrad  dx = dy @ W      A = dy [M, N]   B = W^T [K, N]     contraction N (features out)
+    wgrad  dW = dy^T @ x    A = dy^T [N, M] B = x^T [K, M]     contraction M (tokens)
+
+A ``Recipe`` holds one ``GemmSpec`` per GEMM; a ``GemmSpec`` holds one ``Operand`` per side (its
+format, rounding, blocks) and the GEMM's Hadamard rotation, applied to both operands along the
+contraction axis so that it cancels (NUMERICS.md "Hadamard transforms"). Layer selection (which
+modules are swapped at all), the late switch to BF16, and the NVFP4-only embedding / logit
+gains complete it. Recipes are frozen, load from TOML or JSON (``load_recipe``), print into
+receipts (``recipe.to_dict()``), and a study arm is a recipe plus dotted overrides
+(``recipe.override({"wgrad.hadamard": "deterministic"})``).
+
+Presets (functions returning a Recipe): ``bf16``, ``nvfp4`` (NVIDIA's recipe, arXiv
+2509.25149), ``nvfp4_plain``, ``mxfp4``, ``mxfp4_rceil``, ``mxfp4_hadamard``, and the
+per-GEMM progression of the AMD MXFP4 study: ``fprop``, ``fprop_dgrad``, ``fprop_dgrad_wgrad``.
+
+Public: ``Precision``, ``HadamardMode``, ``Bf16Scope``, ``Operand``, ``GemmSpec``, ``Recipe``,
+``PRESETS``, ``preset``, ``load_recipe`` and the preset functions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from ..formats.types import MXScaleMode, NVFP4Profile, Rounding, _Choice
+
+GEMMS = ("fprop", "dgrad", "wgrad")
+
+
+class Precision(_Choice):
+    BF16 = "bf16"
+    """Not quantized: the operand enters the GEMM as it is (the compute dtype, bf16 under autocast)."""
+    NVFP4 = "nvfp4"
+    """fp4lab.formats.quantize_nvfp4: 16-element blocks, E4M3 scales, FP32 tensor scale."""
+    MXFP4 = "mxfp4"
+    """fp4lab.formats.quantize_mxfp4: 32-element blocks, UE8M0 scales."""
+
+
+class HadamardMode(_Choice):
+    NONE = "none"
+    """No rotation."""
+    DETERMINISTIC = "deterministic"
+    """The plain Sylvester Hadamard (all signs +1): stabilised MXFP4 Wgrad on MI355X."""
+    FIXED = "fixed"
+    """One sign vector for every layer and step: TE's vector at size 16, a vector drawn once
+    from the recipe seed at size 32."""
+    RANDOM = "random"
+    """Signs re-drawn per layer and per step (micro-batch) from the recipe seed."""
+
+
+class Bf16Scope(_Choice):
+    ALL = "all"
+    """After ``bf16_after``, all three GEMMs run in BF16."""
+    FORWARD = "forward"
+    """After ``bf16_after``, only fprop runs in BF16 (cut the 12B gap from 1.5% to 0.5%)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Operand:
+    """How one GEMM operand is quantized."""
+
+    format: Precision = Precision.BF16
+    rounding: Rounding = Rounding.RTNE
+    """rtne, or stochastic (seeded per layer, step and GEMM: runs replay exactly)."""
+    block2d: bool = False
+    """16x16 tiles (NVFP4 weights only): the weight and its transpose quantize alike."""
+    profile: NVFP4Profile = NVFP4Profile.TE
+    """Whose NVFP4 numerics (te or torchao); ignored for other formats."""
+    mx_mode: MXScaleMode = MXScaleMode.FLOOR
+    """MXFP4 scale exponent rule (floor, ceil, even, rceil); ignored for other formats."""
+    dither: float = 0.0
+    """Weights only: before RTNE, add seeded uniform noise of +-dither/2 units of the block's
+    scale (redrawn every step) so that updates smaller than half a code step can still move
+    codes ("stiction"). 0 disables it; 1 spans one code step for values below 2 units."""
+
+    def __post_init__(self) -> None:
+        for name, kind in (("format", Precision), ("rounding", Rounding), ("profile", NVFP4Profile),
+                           ("mx_mode", MXScaleMode)):
+            object.__setattr__(self, name, kind.parse(getattr(self, name)))
+        if self.block2d and self.format is not Precision.NVFP4:
+            raise ValueError(f"block2d (16x16 tiles) is an NVFP4 weight option, not {self.format}")
+        if not 0.0 <= self.dither <= 4.0:
+            raise ValueError(f"dither is an amplitude in [0, 4] block-scale units, got {self.dither}")
+        if self.dither and self.rounding is not Rounding.RTNE:
+            raise ValueError("dither goes with rtne rounding (stochastic rounding already dithers)")
+
+    @property
+    def quantized(self) -> bool:
+        return self.format is not Precision.BF16
+
+    @property
+    def block_len(self) -> int:
+        return 32 if self.format is Precision.MXFP4 else 16
+
+
+@dataclass(frozen=True, kw_only=True)
+class GemmSpec:
+    """One GEMM C = A @ B^T: operand A (x or dy), operand B (W, W^T or x^T), and its rotation."""
+
+    a: Operand = field(default_factory=Operand)
+    b: Operand = field(default_factory=Operand)
+    hadamard: HadamardMode = HadamardMode.NONE
+    """Rotation of both operands along the contraction axis (cancels in the product)."""
+    hadamard_size: int = 16
+    """16 (NVFP4 blocks, TE) or 32 (MXFP4 blocks, Quartet)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "hadamard", HadamardMode.parse(self.hadamard))
+        if self.hadamard_size not in (16, 32):
+            raise ValueError(f"hadamard_size must be 16 or 32, got {self.hadamard_size}")
+        if self.a.quantized and self.b.quantized and self.a.format is not self.b.format:
+            raise ValueError(f"a GEMM's FP4 operands must share a format, got {self.a.format} and {self.b.format}")
+
+    @property
+    def quantized(self) -> bool:
+        return self.a.quantized or self.b.quantized
+
+    @property
+    def rotated(self) -> bool:
+        return self.hadamard is not HadamardMode.NONE
+
+
+BF16_GEMM = GemmSpec()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Recipe:
+    """Per-GEMM quantization plus layer selection; every field prints into receipts."""
+
+    name: str = "custom"
+    fprop: GemmSpec = BF16_GEMM
+    dgrad: GemmSpec = BF16_GEMM
+    wgrad: GemmSpec = BF16_GEMM
+    keep_first: int = 0
+    """The first N transformer blocks' linears stay BF16 (NVIDIA: 2 of 62 at 12B)."""
+    keep_last: int = 0
+    """The last M transformer blocks' linears stay BF16 (NVIDIA: 8 of 62 at 12B)."""
+    keep_bf16: tuple[str, ...] = ("lm_head", "*router*")
+    """fnmatch patterns of module names never swapped (embeddings and norms are not linears)."""
+    bf16_after: float | None = None
+    """Fraction of training after which ``bf16_scope`` GEMMs switch to BF16 (None: never)."""
+    bf16_scope: Bf16Scope = Bf16Scope.ALL
+    embed_gain: float = 1.0
+    """Multiplies token embeddings (NVFP4 recipes only; the MoE speedrun used 10.667)."""
+    logits_gain: float = 1.0
+    """Multiplies the LM head's logits (NVFP4 recipes only; the MoE speedrun used 0.125)."""
+    seed: int = 0
+    """Root of every stochastic-rounding, dither and random-sign seed."""
+
+    def __post_init__(self) -> None:
+        for name in GEMMS:
+            if not isinstance(getattr(self, name), GemmSpec):
+                raise TypeError(f"{name} must be a GemmSpec, got {type(getattr(self, name)).__name__}")
+        object.__setattr__(self, "keep_bf16", tuple(self.keep_bf16))
+        object.__setattr__(self, "bf16_scope", Bf16Scope.parse(self.bf16_scope))
+        if self.keep_first < 0 or self.keep_last < 0:
+            raise ValueError(f"keep_first / keep_last must be >= 0, got {self.keep_first}, {self.keep_last}")
+        if self.bf16_after is not None and not 0.0 <= self.bf16_after <= 1.0:
+            raise ValueError(f"bf16_after is a fraction of training in [0, 1], got {self.bf16_after}")
+        if (self.embed_gain, self.logits_gain) != (1.0, 1.0) and not self.uses(Precision.NVFP4):
+            raise ValueError("embed_gain / logits_gain are NVFP4-only; this recipe quantizes no GEMM to NVFP4")
+        if not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        for gemm in GEMMS:
+            if getattr(self, gemm).a.dither:
+                raise ValueError(f"{gemm}.a: dither applies to weights only")
+        if self.dgrad.b.quantized and self.dgrad.b.dither != self.fprop.b.dither:
+            raise ValueError("dgrad.b.dither must equal fprop.b.dither: both GEMMs quantize one dithered weight")
+        if self.wgrad.b.dither:
+            raise ValueError("wgrad.b is the activation x^T: dither applies to weights only")
+
+    def gemm(self, name: str) -> GemmSpec:
+        if name not in GEMMS:
+            raise ValueError(f"unknown GEMM {name!r}; expected one of {GEMMS}")
+        return getattr(self, name)
+
+    def uses(self, fmt: Precision) -> bool:
+        return any(op.format is fmt for g in GEMMS for op in (getattr(self, g).a, getattr(self, g).b))
+
+    @property
+    def quantized(self) -> bool:
+        return any(getattr(self, g).quantized or getattr(self, g).rotated for g in GEMMS)
+
+    def at_progress(self, progress: float) -> "Recipe":
+        """The recipe in force at ``progress`` (fraction of training done): BF16 GEMMs after
+        ``bf16_after`` per ``bf16_scope``."""
+        if self.bf16_after is None or progress < self.bf16_after:
+            return self
+        gemms = ("fprop",) if self.bf16_scope is Bf16Scope.FORWARD else GEMMS
+        return dataclasses.replace(self, **{g: BF16_GEMM for g in gemms})
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON/TOML data (enums as their names); ``Recipe.from_dict`` inverts it."""
+        return _plain(dataclasses.asdict(self))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Recipe":
+        """Strict: unknown keys are errors (a typo must not silently fall back to a default)."""
+        _check_keys(cls, data, "recipe")
+        kwargs = dict(data)
+        for gemm in GEMMS:
+            if gemm in kwargs:
+                spec = dict(kwargs[gemm])
+                _check_keys(GemmSpec, spec, gemm)
+                for side in ("a", "b"):
+                    if side in spec:
+                        _check_keys(Operand, spec[side], f"{gemm}.{side}")
+                        spec[side] = Operand(**spec[side])
+                kwargs[gemm] = GemmSpec(**spec)
+        return cls(**kwargs)
+
+    def override(self, changes: dict[str, Any]) -> "Recipe":
+        """A copy with dotted keys replaced: {"wgrad.hadamard": "random", "keep_last": 2}."""
+        data = self.to_dict()
+        for key, value in changes.items():
+            node, *path = data, *key.split(".")
+            for part in path[:-1]:
+                if not isinstance(node, dict) or part not in node:
+                    raise ValueError(f"unknown recipe key {key!r}")
+                node = node[part]
+            if not isinstance(node, dict) or path[-1] not in node:
+                raise ValueError(f"unknown recipe key {key!r}")
+            node[path[-1]] = value
+        return Recipe.from_dict(data)
+
+    def describe(self) -> str:
+        """One line per GEMM, e.g. 'wgrad: dy nvfp4/stochastic  x nvfp4/rtne  hadamard fixed/16'."""
+        names = {"fprop": ("x", "W"), "dgrad": ("dy", "W"), "wgrad": ("dy", "x")}
+        lines = [f"recipe {self.name}"]
+        for gemm in GEMMS:
+            spec = getattr(self, gemm)
+            sides = "  ".join(f"{n} {_describe_operand(op)}" for n, op in zip(names[gemm], (spec.a, spec.b)))
+            rot = f"  hadamard {spec.hadamard}/{spec.hadamard_size}" if spec.rotated else ""
+            lines.append(f"  {gemm}: {sides}{rot}")
+        return "\n".join(lines)
+
+
+def _describe_operand(op: Operand) -> str:
+    if not op.quantized:
+        return "bf16"
+    extra = "/16x16" if op.block2d else ""
+    extra += f"/{op.mx_mode}" if op.format is Precision.MXFP4 else ""
+    extra += f"/dither{op.dither:g}" if op.dither else ""
+    return f"{op.format}/{op.rounding}{extra}"
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value.value if isinstance(value, _Choice) else value
+
+
+def _check_keys(cls: type, data: dict[str, Any], where: str) -> None:
+    if not isinstance(data, dict):
+        raise TypeError(f"{where} must be a table/object, got {type(data).__name__}")
+    unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
+    if unknown:
+        raise ValueError(f"unknown {where} key(s) {sorted(unknown)}; expected some of "
+                         f"{[f.name for f in dataclasses.fields(cls)]}")
+
+
+def load_recipe(source: str | Path) -> Recipe:
+    """A preset name, or a .toml / .json file holding Recipe.to_dict()'s fields (optionally with
+    ``base = "<preset>"`` to start from a preset and override dotted keys)."""
+    if isinstance(source, str) and source in PRESETS:
+        return preset(source)
+    path = Path(source)
+    if not path.is_file():
+        raise FileNotFoundError(f"no recipe file {str(path)!r} and no preset of that name "
+                                f"(presets: {', '.join(PRESETS)})")
+    text = path.read_text()
+    data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+    base = data.pop("base", None)
+    if base is None:
+        return Recipe.from_dict(data)
+    return preset(base).override(_flatten(data))
+
+
+def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+# ---- presets ---------------------------------------------------------------------------------
+
+def _fp4(fmt: Precision, mx_mode: MXScaleMode = MXScaleMode.FLOOR, **kw: Any) -> Operand:
+    return Operand(format=fmt, mx_mode=mx_mode, **kw)
+
+
+def bf16() -> Recipe:
+    """Every GEMM in BF16: the baseline arm."""
+    return Recipe(name="bf16")
+
+
+def nvfp4(*, keep_first: int = 1, keep_last: int = 1) -> Recipe:
+    """NVIDIA's NVFP4 recipe (arXiv 2509.25149; TE NVFP4BlockScaling): x and W RTNE (W in 16x16
+    tiles), dy stochastic, the 16-point RHT with TE's signs on both Wgrad operands. NVIDIA kept
+    the first 2 and last 8 of 62 blocks in BF16 (~16%); the default here keeps 1 and 1."""
+    x, w = _fp4(Precision.NVFP4), _fp4(Precision.NVFP4, block2d=True)
+    dy = _fp4(Precision.NVFP4, rounding=Rounding.STOCHASTIC)
+    return Recipe(name="nvfp4", fprop=GemmSpec(a=x, b=w), dgrad=GemmSpec(a=dy, b=w),
+                  wgrad=GemmSpec(a=dy, b=x, hadamard=HadamardMode.FIXED),
+                  keep_first=keep_first, keep_last=keep_last)
+
+
+def nvfp4_plain() -> Recipe:
+    """NVFP4 everywhere, 1x16 blocks, RTNE, no Hadamard, no BF16 layers: the naive recipe."""
+    g = GemmSpec(a=_fp4(Precision.NVFP4), b=_fp4(Precision.NVFP4))
+    return Recipe(name="nvfp4_plain", fprop=g, dgrad=g, wgrad=g)
+
+
+def _mx_all(name: str, mode: MXScaleMode, wgrad_hadamard: HadamardMode = HadamardMode.NONE) -> Recipe:
+    g = GemmSpec(a=_fp4(Precision.MXFP4, mode), b=_fp4(Precision.MXFP4, mode))
+    wg = dataclasses.replace(g, hadamard=wgrad_hadamard, hadamard_size=32)
+    return Recipe(name=name, fprop=g, dgrad=g, wgrad=wg)
+
+
+def mxfp4() -> Recipe:
+    """MXFP4 (OCP floor scales) on all three GEMMs, RTNE, no Hadamard."""
+    return _mx_all("mxfp4", MXScaleMode.FLOOR)
+
+
+def mxfp4_rceil() -> Recipe:
+    """MXFP4 with rceil scales (ceil(log2(amax / 6)): never clips) on all three GEMMs."""
+    return _mx_all("mxfp4_rceil", MXScaleMode.RCEIL)
+
+
+def mxfp4_hadamard() -> Recipe:
+    """MXFP4 floor on all GEMMs with a deterministic 32-point Hadamard on Wgrad (the AMD fix)."""
+    return _mx_all("mxfp4_hadamard", MXScaleMode.FLOOR, HadamardMode.DETERMINISTIC)
+
+
+def _progression(name: str, gemms: tuple[str, ...], fmt: str | Precision) -> Recipe:
+    fmt = Precision.parse(fmt)
+    g = GemmSpec(a=_fp4(fmt), b=_fp4(fmt))
+    return Recipe(name=f"{name}_{fmt}" if fmt is not Precision.MXFP4 else name, **{k: g for k in gemms})
+
+
+def fprop(fmt: str | Precision = Precision.MXFP4) -> Recipe:
+    """Only the forward GEMM quantized (the AMD study's first step), RTNE."""
+    return _progression("fprop", ("fprop",), fmt)
+
+
+def fprop_dgrad(fmt: str | Precision = Precision.MXFP4) -> Recipe:
+    """Forward and input-gradient GEMMs quantized."""
+    return _progression("fprop_dgrad", ("fprop", "dgrad"), fmt)
+
+
+def fprop_dgrad_wgrad(fmt: str | Precision = Precision.MXFP4) -> Recipe:
+    """All three GEMMs quantized: Wgrad quantization was the main cause of degradation."""
+    return _progression("fprop_dgrad_wgrad", GEMMS, fmt)
+
+
+PRESETS: dict[str, Callable[[], Recipe]] = {
+    "bf16": bf16, "nvfp4": nvfp4, "nvfp4_plain": nvfp4_plain, "mxfp4": mxfp4,
+    "mxfp4_rceil": mxfp4_rceil, "mxfp4_hadamard": mxfp4_hadamard, "fprop": fprop,
+    "fprop_dgrad": fprop_dgrad, "fprop_dgrad_wgrad": fprop_dgrad_wgrad,
+}
+
+
+def preset(name: str) -> Recipe:
+    """The named preset's recipe (see PRESETS)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown recipe preset {name!r}; expected one of {', '.join(PRESETS)}")
+    return PRESETS[name]()
