@@ -75,6 +75,8 @@ class GroupedExperts(nn.Module):
         self.w_gate = nn.Parameter(torch.empty(n_experts, hidden, dim))
         self.w_up = nn.Parameter(torch.empty(n_experts, hidden, dim))
         self.w_down = nn.Parameter(torch.empty(n_experts, dim, hidden))
+        for w in (self.w_gate, self.w_up, self.w_down):
+            nn.init.normal_(w, std=0.02)
         self.recipe: Recipe | None = None
         self.name, self.context = "experts", QuantContext()
 

@@ -203,6 +203,10 @@ class Recipe:
         """Plain JSON/TOML data (enums as their names); ``Recipe.from_dict`` inverts it."""
         return _plain(dataclasses.asdict(self))
 
+    def to_toml(self) -> str:
+        """The recipe as a TOML file ``load_recipe`` reads back (None fields omitted)."""
+        return _toml(self.to_dict())
+
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Recipe":
         """Strict: unknown keys are errors (a typo must not silently fall back to a default)."""
@@ -260,6 +264,14 @@ def _plain(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
     return value.value if isinstance(value, _Choice) else value
+
+
+def _toml(data: dict[str, Any], prefix: str = "") -> str:
+    # JSON's scalar spellings are valid TOML for the strings, numbers, bools and lists used here
+    lines = [f"[{prefix[:-1]}]"] if prefix else []
+    lines += [f"{k} = {json.dumps(v)}" for k, v in data.items() if v is not None and not isinstance(v, dict)]
+    tables = [_toml(v, f"{prefix}{k}.") for k, v in data.items() if isinstance(v, dict)]
+    return "\n".join(lines + [""] + tables)
 
 
 def _check_keys(cls: type, data: dict[str, Any], where: str) -> None:

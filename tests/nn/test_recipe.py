@@ -1,0 +1,98 @@
+"""Recipes: presets say what the papers say, round-trip through TOML/JSON, and reject typos."""
+
+import dataclasses
+import json
+
+import pytest
+
+from fp4lab.formats import MXScaleMode, Rounding
+from fp4lab.nn.recipe import (GEMMS, PRESETS, Bf16Scope, GemmSpec, HadamardMode, Operand, Precision, Recipe,
+                              fprop_dgrad, load_recipe, nvfp4, preset)
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_presets_round_trip_through_dict_json_and_toml(name, tmp_path):
+    r = preset(name)
+    assert Recipe.from_dict(r.to_dict()) == r
+    assert Recipe.from_dict(json.loads(json.dumps(r.to_dict()))) == r
+    path = tmp_path / "r.toml"
+    path.write_text(r.to_toml())
+    assert load_recipe(path) == r
+
+
+def test_the_nvidia_recipe_table():
+    """NUMERICS.md: x RTNE 1x16, W RTNE 16x16, dy stochastic; RHT (TE signs, 16) on Wgrad only."""
+    r = nvfp4()
+    assert r.fprop.a == Operand(format="nvfp4") and r.fprop.b == Operand(format="nvfp4", block2d=True)
+    assert r.dgrad.a == Operand(format="nvfp4", rounding="stochastic") and r.dgrad.b == r.fprop.b
+    assert r.wgrad.a == r.dgrad.a and r.wgrad.b == r.fprop.a
+    assert (r.wgrad.hadamard, r.wgrad.hadamard_size) == (HadamardMode.FIXED, 16)
+    assert not r.fprop.rotated and not r.dgrad.rotated
+
+
+def test_progression_and_mx_presets():
+    assert [preset(n).quantized for n in ("bf16", "fprop")] == [False, True]
+    r = fprop_dgrad()
+    assert r.fprop.a.format is Precision.MXFP4 and r.dgrad.b.format is Precision.MXFP4
+    assert not r.wgrad.quantized
+    assert fprop_dgrad("nvfp4").fprop.a.format is Precision.NVFP4
+    assert preset("mxfp4_rceil").wgrad.a.mx_mode is MXScaleMode.RCEIL
+    h = preset("mxfp4_hadamard").wgrad
+    assert (h.hadamard, h.hadamard_size) == (HadamardMode.DETERMINISTIC, 32)
+
+
+def test_override_with_dotted_keys_and_toml_base(tmp_path):
+    r = nvfp4().override({"wgrad.hadamard": "random", "keep_last": 3, "wgrad.a.rounding": "rtne"})
+    assert r.wgrad.hadamard is HadamardMode.RANDOM and r.keep_last == 3
+    assert r.wgrad.a.rounding is Rounding.RTNE and r.dgrad.a.rounding is Rounding.STOCHASTIC
+    path = tmp_path / "arm.toml"
+    path.write_text('base = "nvfp4"\nkeep_first = 0\n[wgrad]\nhadamard = "none"\n')
+    arm = load_recipe(path)
+    assert arm.keep_first == 0 and not arm.wgrad.rotated and arm.fprop == nvfp4().fprop
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"fprop": {"a": {"formt": "nvfp4"}}}, "unknown fprop.a key"),
+    ({"keep_frist": 1}, "unknown recipe key"),
+    ({"fprop": {"a": {"format": "fp8"}}}, "unknown Precision"),
+    ({"fprop": {"a": {"format": "nvfp4"}, "b": {"format": "mxfp4"}}}, "share a format"),
+    ({"fprop": {"a": {"format": "mxfp4", "block2d": True}}}, "NVFP4 weight option"),
+    ({"embed_gain": 10.667}, "NVFP4-only"),
+    ({"bf16_after": 1.5}, "fraction"),
+    ({"fprop": {"hadamard_size": 64}}, "16 or 32"),
+])
+def test_bad_recipes_are_rejected_with_the_reason(bad, match):
+    with pytest.raises(ValueError, match=match):
+        Recipe.from_dict(bad)
+
+
+def test_unknown_override_key_and_missing_file():
+    with pytest.raises(ValueError, match="unknown recipe key"):
+        nvfp4().override({"wgrad.hadamrd": "none"})
+    with pytest.raises(FileNotFoundError, match="no preset"):
+        load_recipe("nvfp5")
+
+
+def test_dither_is_a_weight_option_only():
+    w = Operand(format="nvfp4", dither=0.5)
+    Recipe(fprop=GemmSpec(b=w), dgrad=GemmSpec(b=w))
+    with pytest.raises(ValueError, match="weights only"):
+        Recipe(fprop=GemmSpec(a=w))
+    with pytest.raises(ValueError, match="one dithered weight"):
+        Recipe(fprop=GemmSpec(b=w), dgrad=GemmSpec(b=Operand(format="nvfp4")))
+    with pytest.raises(ValueError, match="rtne"):
+        Operand(format="nvfp4", dither=0.5, rounding="stochastic")
+
+
+def test_bf16_after_switches_the_chosen_gemms():
+    r = dataclasses.replace(nvfp4(), bf16_after=0.8)
+    assert r.at_progress(0.5) is r
+    late = r.at_progress(0.8)
+    assert not any(late.gemm(g).quantized or late.gemm(g).rotated for g in GEMMS)
+    fwd = dataclasses.replace(r, bf16_scope=Bf16Scope.FORWARD).at_progress(0.9)
+    assert not fwd.fprop.quantized and fwd.dgrad == r.dgrad and fwd.wgrad == r.wgrad
+
+
+def test_describe_names_every_gemm():
+    text = nvfp4().describe()
+    assert "fprop: x nvfp4/rtne  W nvfp4/rtne/16x16" in text and "hadamard fixed/16" in text
