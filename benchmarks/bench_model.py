@@ -1,0 +1,74 @@
+"""A GPT training step (forward, backward, AdamW) in BF16 and under FP4 recipes, side by side.
+
+    python benchmarks/bench_model.py [--model d12] [--batch 16] [--seq 1024]
+
+Each arm: the same model and batch under bf16 autocast; fp4lab.nn.quantize_model applies the
+recipe (Triton quantizers and the two-stage FP4 GEMM on CUDA). Reports tokens/s and the step
+time over BF16's (lower is better), median of timed steps after warmup (host time included:
+this is what a training run sees). Writes benchmarks/results/model.json and the model_* keys of
+latest.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import environment, save  # noqa: E402
+from fp4lab.nn import GPT, model_config, quantize_model  # noqa: E402
+from fp4lab.nn.recipe import preset  # noqa: E402
+
+ARMS = ("bf16", "nvfp4", "nvfp4_plain", "mxfp4")
+
+
+def step_times(recipe_name: str, args) -> list[float]:
+    torch.manual_seed(0)
+    model = GPT(model_config(args.model, seq_len=args.seq)).cuda()
+    context = quantize_model(model, preset(recipe_name))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    idx = torch.randint(0, model.cfg.vocab_size, (args.batch, args.seq + 1), device="cuda")
+    times = []
+    for step in range(args.warmup + args.steps):
+        context.tick = step
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(idx[:, :-1], idx[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return times[args.warmup:]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="d12")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--arms", nargs="*", default=list(ARMS))
+    args = parser.parse_args()
+    tokens = args.batch * args.seq
+    rows = {}
+    for arm in args.arms:
+        ms = statistics.median(step_times(arm, args)) * 1e3
+        rows[arm] = {"step_ms": ms, "tokens_per_s": tokens / ms * 1e3}
+        rows[arm]["over_bf16"] = ms / rows["bf16"]["step_ms"] if "bf16" in rows else None
+        print(f"{args.model} {arm:12s} {ms:8.1f} ms/step  {rows[arm]['tokens_per_s']:9.0f} tok/s  "
+              f"x{rows[arm]['over_bf16'] or 1:.2f} of bf16", flush=True)
+    payload = {**environment(), "model": args.model, "batch": args.batch, "seq": args.seq, "arms": rows}
+    keys = {f"model_{arm}_step_over_bf16": r["over_bf16"] for arm, r in rows.items() if arm != "bf16"}
+    save("model", payload, keys)
+
+
+if __name__ == "__main__":
+    main()
