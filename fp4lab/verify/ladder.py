@@ -144,11 +144,17 @@ def _pattern_codes(ld: Ladder) -> torch.Tensor:
     return (mag[None, :] | sign).to(torch.uint8)
 
 
-def _shift_explains(got: torch.Tensor, index: torch.Tensor, limit: int,
+def _shift_explains(got: torch.Tensor, index: torch.Tensor, limit: int, row: int,
                     value: Callable[[torch.Tensor], torch.Tensor]) -> int | None:
     """The smallest shift d (1, -1, 2, -2, ...) such that ``value(index + d)`` ([m, n]) equals ``got``
-    on every row whose shifted index stays in [0, limit) (at least half the rows)."""
-    for d in sorted((x for x in range(1 - limit, limit) if x), key=lambda x: (abs(x), x < 0)):
+    on every row whose shifted index stays in [0, limit) (at least half the rows). ``value(idx)``
+    maps [r] indices to [r, n] outputs; the shifts are first screened on row ``row``."""
+    c0 = int(index[row])
+    shifts = torch.tensor([d for d in range(-c0, limit - c0) if d], dtype=torch.int64)
+    if shifts.numel() == 0:
+        return None
+    fits = (value(c0 + shifts) == got[row]).all(-1)
+    for d in sorted(shifts[fits].tolist(), key=lambda x: (abs(x), x < 0)):
         ok = (index + d >= 0) & (index + d < limit)
         if 2 * int(ok.sum()) >= index.numel() and \
                 torch.equal(value((index + d).clamp(0, limit - 1))[ok], got[ok]):
@@ -176,7 +182,7 @@ def identity(ld: Ladder, run: Run) -> Failure:
         if torch.equal(read(col ^ 1), got):
             why = (f"every output read the other nibble of its byte (element c ^ 1): the nibble order is "
                    f"swapped in one operand (element 2i belongs in the low nibble)")
-        elif (d := _shift_explains(got, col, ld.k, read)) is not None:
+        elif (d := _shift_explains(got, col, ld.k, i, read)) is not None:
             details["element_shift"] = d
             blocks = f" = {d // ld.bl:+d} block(s)" if d % ld.bl == 0 else ""
             why = f"every output read element c {d:+d}{blocks}: element or block index off by {d:+d}"
@@ -205,10 +211,10 @@ def one_hot(ld: Ladder, run: Run) -> Failure:
         count, i, j, e, g = bad
         blk = int(blocks[i])
         details = dict(row=i, col=j, block=blk, expected=e, got=g, wrong_outputs=count)
-        block_sum = lambda idx: (1 + idx % ld.bl).float()[:, None].expand(ld.m, ld.n)  # noqa: E731
+        block_sum = lambda idx: (1 + idx % ld.bl).float()[:, None].expand(-1, ld.n)  # noqa: E731
         if g == 0:
             why = f"A's block {blk} was never paired with B: A's codes were read from another block"
-        elif (d := _shift_explains(got, blocks, ld.nb, block_sum)) is not None:
+        elif (d := _shift_explains(got, blocks, ld.nb, i, block_sum)) is not None:
             details["block_shift"] = d
             why = f"every row's nonzero A block met B's block {d:+d} away: code block index off by {d:+d}"
         else:

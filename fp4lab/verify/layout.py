@@ -130,7 +130,8 @@ def _misplaced(held: torch.Tensor, offsets: torch.Tensor, cols: int):
                              expected=describe_offset(int(offsets[p]), cols),
                              actual=describe_offset(actual[0], cols) if actual else None))
     first = examples[0]
-    where = f"offset {first['actual_offsets'][0]}" if first["actual"] else "nowhere"
+    act = first["actual"]
+    where = f"at offset {act['offset']}, the layout's place for ({act['row']}, {act['col']})" if act else "nowhere"
     return ("placement", f"source byte {first['source']} belongs at offset {first['expected_offset']} "
             f"but landed {where}; {wrong.numel()} of {offsets.numel()} bytes misplaced",
             dict(misplaced=wrong.numel(), first=examples))
