@@ -187,8 +187,8 @@ def nvfp4_moe_forward(moe: MoE, qweights: NVFP4MoEWeights, x: torch.Tensor, *,
         start = 0
         for e, n in enumerate(d.counts):
             if n:
-                rows = torch.arange(start, start + n, device=x_TD.device)
-                y_sorted_SD[start:start + n] = expert_ffn(_rows(d.q_sorted, rows), qweights.w13[e], qweights.w2[e], mm)[0]
+                q_nD = _rows(d.q_sorted, torch.arange(start, start + n, device=x_TD.device))
+                y_sorted_SD[start:start + n] = expert_ffn(q_nD, qweights.w13[e], qweights.w2[e], mm)[0]
             start += n
         y_SD = y_sorted_SD[torch.argsort(d.order_S)]
         y_TD = (y_SD.view(-1, moe.cfg.top_k, x_TD.shape[1]) * d.weight_TK[..., None]).sum(1)

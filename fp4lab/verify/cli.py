@@ -123,7 +123,8 @@ def _quantizer(args: argparse.Namespace) -> int:
                                                                          generator=g))
     x.view(rows, -1)[: max(1, rows // 64), :32] = 0
     x = x.to(getattr(torch, args.dtype))
-    diff = diff_quantizers(lambda t: quantize(t, pad=True, **{ka: args.a}), lambda t: quantize(t, pad=True, **{kb: args.b}), x,
+    diff = diff_quantizers(lambda t: quantize(t, pad=True, **{ka: args.a}),
+                           lambda t: quantize(t, pad=True, **{kb: args.b}), x,
                            names=(args.a, args.b), max_examples=args.examples)
     print(f"x: {list(args.shape)} {args.dtype}, seed {args.seed}")
     print(diff)

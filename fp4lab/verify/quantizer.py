@@ -146,8 +146,8 @@ def diff_quantizers(a: Callable[[torch.Tensor], FP4Tensor], b: Callable[[torch.T
     examples = []
     finite = torch.isfinite(xb).all(-1)
     for r, j in block_diff.nonzero()[:max_classified].tolist():
-        rule, note = ctx.explain(xb[r, j], bool(finite[r, j]), codes_a[r, j], codes_b[r, j], int(bytes_a[r, j]), int(bytes_b[r, j]),
-                                 float(s_a[r, j]), float(s_b[r, j]), float(ctx.amax[r, j]))
+        rule, note = ctx.explain(xb[r, j], bool(finite[r, j]), codes_a[r, j], codes_b[r, j], int(bytes_a[r, j]),
+                                 int(bytes_b[r, j]), float(s_a[r, j]), float(s_b[r, j]), float(ctx.amax[r, j]))
         rules[rule] = rules.get(rule, 0) + 1
         if len(examples) < max_examples:
             examples.append(ctx.example((r, j), qa, xb[r, j], codes_a[r, j], codes_b[r, j],
