@@ -14,7 +14,9 @@ reference accumulates block by block; a kernel may sum in any order) plus alpha'
     |C - C_ref| <= (2 K + 2) * 2^-24 * (|A| @ |B|^T) * |alpha|      A, B dequantized, exact
 
 The passing result reports, per shape, max |C - C_ref|, that over max |C_ref| (max_rel) and the
-worst ratio of error to bound.
+worst ratio of error to bound. fp4lab's GEMMs pass: formats.scaled_mm (bit for bit even on random
+data), formats.emulated_mm, and kernels.fp4_mm, fused and two_stage, under TRITON_INTERPRET=1 and
+on an H100 (max relative error 4.7e-7 NVFP4, 8.5e-7 MXFP4 at 512x384x1024).
 
 Public: ``check_gemm``, ``DEFAULT_SHAPES``, ``EXACT_SHAPE``.
 """

@@ -9,11 +9,14 @@ scale byte of 1.0 (E4M3 0x38, UE8M0 127); bl is the block length (16 or 32), nb 
                      a broken K loop (the diagnosis says how many products were summed).
     alpha            the same with alpha = 0.375: alpha missing, applied twice, or inverted.
     identity         A row i holds a single 1.0 at column c_i (passes walk every column), B
-                     holds distinct neighbouring values, so C[i, j] = B[j, c_i]: the element
-                     read instead names the bug (c ^ 1: nibble order; c +- bl: block off by one).
+                     holds values that differ from their neighbours c ^ 1 and c +- bl, so
+                     C[i, j] = B[j, c_i]. The diagnosis tries rules that must explain every
+                     output of the pass: element c ^ 1 read (nibble order swapped in one
+                     operand), else one constant shift c + d (d = +-bl: block off by one).
     one_hot          A row i is zero except block b_i = i % nb (all 1.0); B's block b holds
                      1 + b % bl ones, so C[i, j] = 1 + b_i % bl names the block of B that met
-                     A's block; 0 means A's block was read from elsewhere.
+                     A's block (a constant shift over all rows is reported); 0 means A's block
+                     was read from elsewhere.
     scale_positions  pass p: A row i is one-hot at block (i + p) % nb, every A scale byte
                      encodes its position (digits of r * nb + b), B is all ones: C[i, :] is
                      bl times the one scale read for (i, (i + p) % nb). nb passes probe every
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Callable
 
 import torch
@@ -82,9 +86,7 @@ class Ladder:
 
     def byte_of(self, value: float) -> int | None:
         """The positive scale byte that decodes to ``value`` exactly, if any."""
-        table = (decode_e4m3 if self.fmt is Format.NVFP4 else decode_ue8m0)(torch.arange(255, dtype=torch.uint8))
-        hits = (table[:0x7F] if self.fmt is Format.NVFP4 else table) == value
-        return int(hits.nonzero()[0]) if value > 0 and hits.any() else None
+        return _positive_bytes(self.fmt).get(value)
 
     def full(self, rows: int, code: int) -> torch.Tensor:
         return torch.full((rows, self.k), code, dtype=torch.uint8)
@@ -97,6 +99,14 @@ class Ladder:
         if self.layout is ScaleLayout.PLAIN:
             return f"plain index {r * self.nb + b}"
         return f"swizzled offset {swizzled_offset(r, b, self.nb)}"
+
+
+@lru_cache(maxsize=None)
+def _positive_bytes(fmt: Format) -> dict[float, int]:
+    """Scale value -> byte for every positive finite scale (E4M3 0x01..0x7E, UE8M0 0..254)."""
+    if fmt is Format.NVFP4:
+        return {float(v): b for b, v in enumerate(decode_e4m3(torch.arange(1, 0x7F, dtype=torch.uint8)).tolist(), 1)}
+    return {float(v): b for b, v in enumerate(decode_ue8m0(torch.arange(255, dtype=torch.uint8)).tolist())}
 
 
 def _first_bad(exp: torch.Tensor, got: torch.Tensor) -> tuple[int, int, int, float, float] | None:
@@ -115,7 +125,7 @@ def uniform(ld: Ladder, run: Run) -> Failure:
     count, i, j, e, g = bad
     summed = g / 2.25
     why = f"i.e. {summed:g} of the K = {ld.k} products were summed"
-    if summed < ld.k and summed == int(summed) and (ld.k - summed) % ld.bl == 0:
+    if math.isfinite(summed) and summed < ld.k and summed == int(summed) and (ld.k - summed) % ld.bl == 0:
         why += (f": {int(ld.k - summed) // ld.bl} whole block(s) missing (a skipped K tile, or a scale read "
                 f"from padding)")
     return (f"every code 1.5, scale 1, alpha 1: C must be 2.25 * K = {e:g} everywhere; {count} of "

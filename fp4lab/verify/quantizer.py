@@ -208,7 +208,7 @@ class _Context:
                                      f"{up} rounds up")
             if tensor_differs:
                 return "tensor_scale", f"tensor scales {self.ts[0]!r} vs {self.ts[1]!r}"
-            return "scale_step", f"exact block scale {exact[0]!r}, midpoint {mid!r}"
+            return "scale_step", f"exact block scale {exact[0] if exact else float('nan')!r}, midpoint {mid!r}"
         if tensor_differs:
             return "tensor_scale", f"tensor scales {self.ts[0]!r} vs {self.ts[1]!r}"
         return "scale_rule", f"scale bytes {ba:#04x} vs {bb:#04x} ({abs(ba - bb)} steps)"

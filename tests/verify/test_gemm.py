@@ -4,6 +4,7 @@ with a diagnosis that names the bug."""
 import pytest
 import torch
 
+from fp4lab.formats import pack_nibbles, unpack_nibbles
 from fp4lab.formats.layout import _padded
 from fp4lab.verify import check_gemm, emulated_gemm, kernels_gemm, reference_gemm
 
@@ -117,6 +118,19 @@ def test_code_block_off_by_one_is_named(fmt):
     assert result.details["element_shift"] == bl and "+1 block(s)" in result.message
 
 
+def test_a_bug_only_on_dense_blocks_fails_at_one_hot():
+    """Rows with several nonzero codes get their blocks shifted by one: invisible to uniform data and to
+    the single 1.0 of the identity rung, caught by one_hot with the shift named."""
+    def dense_rows_shifted(a, sa, b, sb, alpha, m, n, k):
+        codes = unpack_nibbles(a)
+        dense = ((codes & 7) != 0).sum(1) > 1
+        codes[dense] = torch.roll(codes[dense], 16, dims=1)
+        return reference_gemm(pack_nibbles(codes), sa, b, sb, alpha, m, n, k)
+    result = check_gemm(dense_rows_shifted, exact_shape=EXACT, shapes=SHAPES)
+    assert result.rung == "one_hot" and result.details["block_shift"] == 1
+    assert "code block index off by +1" in result.message
+
+
 @pytest.mark.parametrize("fmt", FMTS)
 def test_column_major_scales_fail_at_scale_positions(fmt):
     result = check_gemm(scales_read_column_major, fmt=fmt, shapes=SHAPES)
@@ -156,6 +170,8 @@ def test_contract_violations_are_reported_at_their_rung():
     assert result.rung == "uniform" and "float32" in result.message
     result = check_gemm(lambda *args: reference_gemm(*args)[:-1], shapes=SHAPES)
     assert "[136, 40]" in result.message
+    result = check_gemm(lambda *args: reference_gemm(*args) * float("nan"), shapes=SHAPES)
+    assert result.rung == "uniform" and "= nan" in result.message
 
 
 def test_random_rung_catches_an_inexact_gemm():
