@@ -38,7 +38,8 @@ NVFP4 stores Gaussian data with ~0.095 relative error per operand (E2M1 has one 
 so a GEMM of two quantized operands is off by ~0.135; silu(gate) * up multiplies two such
 outputs (~0.19); requantizing it and the down projection's weight add two more ~0.095 terms:
 sqrt(0.19^2 + 2 * 0.095^2) ~ 0.24. On an H100 (kernels.fp4_mm's Triton path; D = 256, F = 128,
-512 tokens): relative error 0.245, cosine 0.9715, pipeline vs reference 2.9e-8. tests/nn/test_moe_infer.py asserts 0.15 < rel < 0.3 and
+512 tokens): relative error 0.245, cosine 0.9715, pipeline vs reference 2.9e-8.
+tests/nn/test_moe_infer.py asserts 0.15 < rel < 0.3 and
 cosine > 0.96 (the lower bound proves the operands really were quantized).
 
 Public: ``NVFP4Experts``, ``NVFP4MoEWeights``, ``quantize_moe_weights``, ``route``, ``Dispatch``,
