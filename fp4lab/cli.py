@@ -8,6 +8,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from .train.checkpoint import CheckpointError
+
 
 def _block(text: str) -> int | tuple[int, int]:
     if text in ("16", "1x16"):
@@ -77,15 +79,102 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _value(text: str):
+    """--set values: JSON when it parses (numbers, true, lists), else the string itself."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def _settings(pairs: list[str]) -> dict:
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise ValueError(f"--set takes key=value, got {pair!r}")
+        out[key.strip()] = _value(value.strip())
+    return out
+
+
+def _train(args: argparse.Namespace) -> int:
+    import tomllib
+
+    from .train.loop import TrainConfig, train
+    from .train.report import gap_table
+
+    changes = {}
+    if args.config:
+        changes.update(_flat(tomllib.loads(args.config.read_text())))
+    for key in ("model", "recipe", "out", "data", "steps"):
+        if getattr(args, key) is not None:
+            changes[key] = getattr(args, key)
+    changes.update(_settings(args.set))
+    cfg = TrainConfig().with_overrides(changes)
+    receipt = train(cfg, resume=args.resume)
+    print(gap_table([receipt]))
+    print(f"wrote {cfg.out}/receipt.json")
+    return 0 if receipt["status"] in ("ok", "stopped") else 1
+
+
+def _flat(data: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _report(args: argparse.Namespace) -> int:
+    from .train.report import report
+
+    table, files = report(args.runs, args.out or Path(args.runs[0]).parent, title=args.title)
+    print(table)
+    print("wrote " + ", ".join(map(str, files)))
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from .train.demo import run_demo
+
+    changes = {"steps": args.steps} if args.steps else {}
+    table, files = run_demo(args.out, gpu=None if args.device == "auto" else args.device == "gpu", **changes)
+    print(table)
+    print("wrote " + ", ".join(map(str, files)))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fp4lab", description="Bit-exact FP4 (NVFP4, MXFP4) research tools")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("inspect", help="quantize each floating tensor of a file and tabulate the error")
-    p.add_argument("file", type=Path, help="a .safetensors file or a torch file of tensors")
+    p.add_argument("file", type=Path, nargs="?", help="a .safetensors file or a torch file of tensors")
+    p.add_argument("--demo", type=Path, nargs="?", const=True, default=None,
+                   help="inspect generated LLM-shaped tensors instead (optionally kept at this path)")
     _add_encoding_args(p)
-    p = sub.add_parser("demo", help="generate LLM-shaped tensors and inspect them in NVFP4 and MXFP4")
-    p.add_argument("--out", type=Path, default=None, help="where to write the demo tensors")
-    _add_encoding_args(p)
+    p = sub.add_parser("demo", help="train a tiny GPT in BF16, NVFP4 and MXFP4 on the built-in corpus; "
+                       "print the gap table, plot the curves")
+    p.add_argument("--out", type=Path, default=Path("runs/demo"), help="run and report folder (default runs/demo)")
+    p.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto",
+                   help="which default size to use (auto: gpu when CUDA is available)")
+    p.add_argument("--steps", type=int, default=None, help="override the number of steps")
+    p = sub.add_parser("train", help="train one run: fp4lab train --model tiny --recipe nvfp4 --set lr=1e-3")
+    p.add_argument("--config", type=Path, help="a TOML file of TrainConfig fields ([model] / [recipe] tables "
+                   "for overrides)")
+    p.add_argument("--model", help="model preset (tiny, moe-tiny, d6, d12, d16, moe64)")
+    p.add_argument("--recipe", help="recipe preset or .toml/.json file")
+    p.add_argument("--data", help="built-in corpus (python, stdlib) or a token-shard path")
+    p.add_argument("--steps", type=int)
+    p.add_argument("--out", help="run directory")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override any setting: lr=1e-3, model.depth=4, recipe.wgrad.hadamard=random")
+    p.add_argument("--resume", action="store_true", help="continue from the run directory's checkpoint")
+    p = sub.add_parser("report", help="tables and plots from run receipts")
+    p.add_argument("runs", nargs="+", type=Path, help="run directories (or receipt.json files)")
+    p.add_argument("--out", type=Path, default=None, help="where report.md and the plots go")
+    p.add_argument("--title", default="fp4lab")
     p = sub.add_parser("study", help="run a published FP4 finding as a study (today: conversion)")
     p.add_argument("name", nargs="?", choices=["conversion"], help="the study to run")
     p.add_argument("--list", action="store_true", help="list the studies with their arms")
@@ -104,15 +193,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "convert":
             return _convert(args)
-        if args.command == "inspect":
-            return _inspect(args.file, args)
         if args.command == "study":
             return _study(args)
+        if args.command in ("train", "report", "demo"):
+            return {"train": _train, "report": _report, "demo": _demo}[args.command](args)
+        if args.demo is None:
+            if args.file is None:
+                raise ValueError("give a FILE to inspect, or --demo")
+            return _inspect(args.file, args)
         from .inspect import write_demo_tensors
         with tempfile.TemporaryDirectory() as tmp:
-            path = write_demo_tensors(args.out or Path(tmp) / "demo.safetensors")
+            path = write_demo_tensors(Path(tmp) / "demo.safetensors" if args.demo is True else args.demo)
             return _inspect(path, args)
-    except (ValueError, TypeError, FileNotFoundError) as exc:
+    except (ValueError, TypeError, FileNotFoundError, CheckpointError) as exc:
         print(f"fp4lab {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

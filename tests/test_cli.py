@@ -9,7 +9,7 @@ from fp4lab.cli import main
 
 
 def test_demo_prints_a_table_for_both_formats(capsys):
-    assert main(["demo"]) == 0
+    assert main(["inspect", "--demo"]) == 0
     out = capsys.readouterr().out
     assert "nvfp4/te/1x16" in out and "mxfp4/floor" in out and "SQNR dB" in out
 

@@ -82,6 +82,9 @@ class TrainConfig:
     log_every: int = 10
     ckpt_every: int = 0
     """Checkpoint every N steps (0: only at the end)."""
+    stop_at: int | None = None
+    """Stop after this step with a checkpoint, as a preempted or time-boxed job would; the
+    schedule still spans ``steps``, so ``--resume`` continues the same run."""
     diverge_loss: float = 20.0
     seed: int = 0
     compile: bool = False
@@ -176,7 +179,7 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> dict[str, Any]:
     if cfg.compile:
         runner = torch.compile(runner)
     identity = {"config": {k: v for k, v in cfg.to_dict().items() if k not in ("out", "steps", "progress",
-                                                                               "ckpt_every", "compile")},
+                                                                               "ckpt_every", "compile", "stop_at")},
                 "model": mcfg.to_dict(), "recipe": recipe.to_dict(), "data": data_info["identity"], "world": world}
 
     start, evals, train_curve, wall_before = 0, [], [], 0.0
@@ -202,8 +205,9 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> dict[str, Any]:
         except ImportError:
             bar = None
     t0, timed_tokens, timed_s = time.perf_counter(), 0, 0.0
-    step = start
-    for step in range(start, cfg.steps):
+    done = start
+    end = cfg.steps if cfg.stop_at is None else min(cfg.steps, cfg.stop_at)
+    for step in range(start, end):
         step_start = time.perf_counter()
         mult = lr_multiplier(step, cfg.steps, warmup=cfg.warmup, schedule=cfg.schedule, final=cfg.final_lr)
         for opt in optimizers:
@@ -239,6 +243,7 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> dict[str, Any]:
         if step >= start + 2:  # the first steps compile kernels
             timed_tokens, timed_s = timed_tokens + tokens_per_step, timed_s + dt
         train_curve.append([step + 1, train_loss])
+        done = step + 1
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{train_loss:.3f}")
@@ -251,7 +256,7 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> dict[str, Any]:
             val = _evaluate(runner, stream, cfg, device, autocast)
             evals.append({"step": step + 1, "tokens": (step + 1) * tokens_per_step, "val_loss": val})
             _log(metrics, {"step": step + 1, "val_loss": val})
-        if (cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0) or last:
+        if (cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0) or step + 1 == end:
             if rank == 0:
                 save_checkpoint(out / "checkpoint", model, optimizers, step=step + 1, identity=identity,
                                 extra={"evals": evals, "train": train_curve,
@@ -259,6 +264,8 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> dict[str, Any]:
             last_ckpt = step + 1
             if world > 1:
                 dist.barrier()
+    if status == "ok" and done < cfg.steps:
+        status, message = "stopped", f"stopped at step {done} of {cfg.steps} (stop_at); --resume continues it"
     if bar is not None:
         bar.close()
     if metrics is not None:
@@ -272,7 +279,7 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> dict[str, Any]:
         "data": data_info, "seed": cfg.seed, "world": world, **environment(device),
         "evals": evals, "train_curve": train_curve[:: max(1, len(train_curve) // 500)],
         "final": {"val_loss": vals[-1] if vals else None, "min_val_loss": min(vals) if vals else None,
-                  "train_loss": train_curve[-1][1] if train_curve else None, "steps": step + (status == "ok")},
+                  "train_loss": train_curve[-1][1] if train_curve else None, "steps": done},
         "wall_s": wall, "tokens_per_s": timed_tokens / timed_s if timed_s else None,
         "mfu": (timed_tokens / timed_s * flops_per_token / peak) if timed_s and peak else None,
     }

@@ -1,0 +1,135 @@
+"""The trainer: receipts, exact resume, loud checkpoints, divergence, reports, the CLI."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from safetensors.torch import load_file
+
+from fp4lab.cli import main
+from fp4lab.train.checkpoint import CheckpointError
+from fp4lab.train.loop import TrainConfig, train
+from fp4lab.train.report import gap_table, load_receipts, report
+
+
+def _cfg(token_file, out, **kw) -> TrainConfig:
+    base = dict(out=str(out), model="tiny", data=str(token_file), steps=12, batch_size=8, seq_len=32,
+                lr=3e-3, warmup=2, eval_every=6, eval_batches=2, log_every=3, progress=False)
+    return TrainConfig(**{**base, **kw})
+
+
+RECEIPT_KEYS = {"schema", "name", "status", "message", "config", "recipe", "recipe_text", "model", "params",
+                "active_params", "data", "seed", "world", "git", "device", "versions", "evals", "train_curve",
+                "final", "wall_s", "tokens_per_s", "mfu"}
+
+
+def test_receipt_is_complete_and_loss_falls(token_file, tmp_path):
+    receipt = train(_cfg(token_file, tmp_path / "run", steps=30, eval_every=10, recipe="nvfp4_plain"))
+    on_disk = json.loads((tmp_path / "run" / "receipt.json").read_text())
+    assert set(on_disk) == RECEIPT_KEYS and on_disk == json.loads(json.dumps(receipt))
+    assert receipt["status"] == "ok" and receipt["final"]["steps"] == 30
+    assert [e["step"] for e in receipt["evals"]] == [10, 20, 30]
+    assert receipt["evals"][-1]["val_loss"] < receipt["evals"][0]["val_loss"] - 0.3
+    assert receipt["recipe"]["name"] == "nvfp4_plain" and "fprop" in receipt["recipe_text"]
+    assert receipt["data"]["tokens"] == 40_000 and receipt["versions"]["torch"]
+    assert set(receipt["git"]) == {"sha", "dirty", "diff_sha256"}
+    lines = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [l["step"] for l in lines if "val_loss" in l] == [10, 20, 30]
+    assert all({"train_loss", "lr_mult", "grad_norm", "tokens_per_s"} <= set(l) for l in lines if "train_loss" in l)
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "nvfp4"])
+def test_resume_continues_bit_identically(token_file, tmp_path, recipe):
+    # nvfp4: stochastic rounding on gradients, seeded by the step: a resumed run must replay its bits
+    overrides = {"keep_first": 0, "keep_last": 0} if recipe == "nvfp4" else {}
+    whole = train(_cfg(token_file, tmp_path / "whole", recipe=recipe, recipe_overrides=overrides))
+    first = train(_cfg(token_file, tmp_path / "split", recipe=recipe, recipe_overrides=overrides, stop_at=5))
+    assert first["status"] == "stopped" and first["final"]["steps"] == 5
+    rest = train(_cfg(token_file, tmp_path / "split", recipe=recipe, recipe_overrides=overrides), resume=True)
+    assert rest["status"] == "ok"
+    assert rest["train_curve"] == whole["train_curve"]  # every loss, to the last bit
+    assert rest["evals"] == whole["evals"]
+    a = load_file(str(tmp_path / "whole" / "checkpoint" / "model.safetensors"))
+    b = load_file(str(tmp_path / "split" / "checkpoint" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+
+
+def test_corrupt_or_foreign_checkpoints_are_refused(token_file, tmp_path):
+    cfg = _cfg(token_file, tmp_path / "run", steps=4, eval_every=4)
+    train(cfg)
+    ckpt = tmp_path / "run" / "checkpoint"
+    with pytest.raises(CheckpointError, match="recipe"):
+        train(_cfg(token_file, tmp_path / "run", steps=8, recipe="mxfp4"), resume=True)
+    with pytest.raises(CheckpointError, match="model"):
+        train(_cfg(token_file, tmp_path / "run", steps=8, model_overrides={"depth": 3}), resume=True)
+    saved = (ckpt / "model.safetensors").read_bytes()
+    (ckpt / "model.safetensors").write_bytes(saved[:-7] + bytes(7))
+    with pytest.raises(CheckpointError, match="corrupt or truncated"):
+        train(_cfg(token_file, tmp_path / "run", steps=8), resume=True)
+    (ckpt / "model.safetensors").write_bytes(saved)
+    (ckpt / "optim.pt").unlink()
+    with pytest.raises(CheckpointError, match="optim.pt is missing"):
+        train(_cfg(token_file, tmp_path / "run", steps=8), resume=True)
+    (ckpt / "state.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="corrupt JSON"):
+        train(_cfg(token_file, tmp_path / "run", steps=8), resume=True)
+
+
+def test_an_interrupted_save_leaves_the_previous_checkpoint(token_file, tmp_path, monkeypatch):
+    from fp4lab.train import checkpoint as ckpt_mod
+    train(_cfg(token_file, tmp_path / "run", steps=4, eval_every=4))
+    before = (tmp_path / "run" / "checkpoint" / "state.json").read_text()
+
+    def boom(*args, **kwargs):
+        raise OSError("disk full")
+    monkeypatch.setattr(ckpt_mod, "_fsync_dir", boom)
+    with pytest.raises(OSError, match="disk full"):
+        train(_cfg(token_file, tmp_path / "run", steps=8, eval_every=4), resume=True)
+    assert (tmp_path / "run" / "checkpoint" / "state.json").read_text() == before
+
+
+def test_divergence_stops_the_run_and_keeps_the_last_good_checkpoint(token_file, tmp_path):
+    receipt = train(_cfg(token_file, tmp_path / "run", steps=40, lr=30.0, clip=0.0, warmup=1, ckpt_every=1,
+                         diverge_loss=8.0))
+    assert receipt["status"] == "diverged" and "diverged at step" in receipt["message"]
+    bad = receipt["final"]["steps"]
+    assert bad < 40
+    state = json.loads((tmp_path / "run" / "checkpoint" / "state.json").read_text())
+    assert state["step"] == bad  # the step before the bad one, intact and loadable
+    assert f"checkpoint (step {bad}) is kept" in receipt["message"]
+
+
+def test_report_is_rebuilt_from_receipts_alone(token_file, tmp_path):
+    for recipe in ("bf16", "mxfp4"):
+        train(_cfg(token_file, tmp_path / recipe, steps=6, recipe=recipe))
+    for recipe in ("bf16", "mxfp4"):  # nothing but the receipts remains
+        for item in (tmp_path / recipe).iterdir():
+            if item.name != "receipt.json":
+                shutil.rmtree(item) if item.is_dir() else item.unlink()
+    table, files = report([tmp_path / "bf16", tmp_path / "mxfp4"], tmp_path / "report")
+    assert {f.name for f in files} == {"report.md", "loss.png", "gap.png"}
+    rows = table.splitlines()
+    assert rows[2].startswith("| bf16 | bf16 |") and "+0.0000" in rows[2]
+    receipts = load_receipts([tmp_path / "bf16", tmp_path / "mxfp4"])
+    gap = receipts[1]["final"]["val_loss"] - receipts[0]["final"]["val_loss"]
+    assert f"{gap:+.4f}" in rows[3]
+    assert gap_table(receipts) == table
+    with pytest.raises(FileNotFoundError, match="receipt"):
+        load_receipts([tmp_path / "missing"])
+
+
+def test_cli_train_resume_and_report(token_file, tmp_path, capsys):
+    out = tmp_path / "cli"
+    args = ["train", "--data", str(token_file), "--out", str(out), "--steps", "4", "--set", "batch_size=8",
+            "--set", "seq_len=32", "--set", "eval_every=2", "--set", "progress=false", "--recipe", "mxfp4"]
+    assert main(args + ["--set", "stop_at=2"]) == 0
+    assert main(args + ["--resume"]) == 0
+    assert json.loads((out / "receipt.json").read_text())["final"]["steps"] == 4
+    assert main(["report", str(out)]) == 0
+    assert "| cli | mxfp4 |" in capsys.readouterr().out
+    assert main(["train", "--data", str(token_file), "--set", "nonsense=1"]) == 2
+    assert "unknown training setting 'nonsense'" in capsys.readouterr().err
+    assert main(args + ["--recipe", "bf16", "--resume"]) == 2
+    assert "belongs to another run" in capsys.readouterr().err
