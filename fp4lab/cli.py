@@ -175,6 +175,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("runs", nargs="+", type=Path, help="run directories (or receipt.json files)")
     p.add_argument("--out", type=Path, default=None, help="where report.md and the plots go")
     p.add_argument("--title", default="fp4lab")
+    from . import generate
+    from .verify import cli as verify_cli
+    verify_cli.add_parser(sub)
+    generate.add_parser(sub)
     p = sub.add_parser("study", help="run a published FP4 finding as a study (today: conversion)")
     p.add_argument("name", nargs="?", choices=["conversion"], help="the study to run")
     p.add_argument("--list", action="store_true", help="list the studies with their arms")
@@ -195,6 +199,11 @@ def main(argv: list[str] | None = None) -> int:
             return _convert(args)
         if args.command == "study":
             return _study(args)
+        if args.command == "verify":
+            from .verify.cli import run
+            return run(args)
+        if args.command == "generate":
+            return args.handler(args)
         if args.command in ("train", "report", "demo"):
             return {"train": _train, "report": _report, "demo": _demo}[args.command](args)
         if args.demo is None:

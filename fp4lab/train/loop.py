@@ -1,8 +1,8 @@
 """The training loop every study runs on: one config in, a run directory with a receipt out.
 
     run_dir/receipt.json     what ran and what came out (report.py rebuilds tables from these)
-    run_dir/metrics.jsonl    one line per log step (train loss, lr, grad norm, tokens/s, MFU)
-                             and per eval (val loss)
+    run_dir/metrics.jsonl    one line per log step (train loss, lr, grad norm, tokens/s, MFU),
+                             per eval (val loss) and per stiction sample (code-flip rate by layer)
     run_dir/checkpoint/      the latest checkpoint (checkpoint.py), for --resume
 
 Per step: ``grad_accum`` micro-batches (the QuantContext tick = step * accum + micro seeds every
@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..nn import GPT, load_recipe, model_config, quantize_model
+from ..nn import GPT, StictionMeter, load_recipe, model_config, quantize_model
 from .checkpoint import load_checkpoint, save_checkpoint
 from .corpus import default_dataset
 from .data import TokenStream, dataset_meta, load_tokens
@@ -90,6 +90,9 @@ class TrainConfig:
     compile: bool = False
     """torch.compile the model (CUDA; the FP4 layers' Triton calls run outside the graph)."""
     progress: bool = True
+    stiction_every: int = 0
+    """Every N steps, measure the fraction of FP4 weight codes each optimizer step flips
+    (nn.diagnostics.StictionMeter; costs one weight quantization per layer). 0: never."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -182,16 +185,18 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> dict[str, Any]:
                                                                                "ckpt_every", "compile", "stop_at")},
                 "model": mcfg.to_dict(), "recipe": recipe.to_dict(), "data": data_info["identity"], "world": world}
 
-    start, evals, train_curve, wall_before = 0, [], [], 0.0
+    start, evals, train_curve, flips, wall_before = 0, [], [], [], 0.0
     if resume and (out / "checkpoint").exists():
         state = load_checkpoint(out / "checkpoint", model, optimizers, identity=identity)
         start, evals, train_curve, wall_before = state["step"], state["evals"], state["train"], state["wall_s"]
+        flips = state["flips"]
     last_ckpt = start if start else None
 
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
     metrics = open(out / "metrics.jsonl", "a" if start else "w") if rank == 0 else None
     autocast = device.type == "cuda"
+    stiction = StictionMeter(model) if cfg.stiction_every and recipe.quantized else None
     n_active = model.num_params(active=True)
     flops_per_token = 6 * n_active + 12 * mcfg.depth * mcfg.dim * cfg.seq_len
     peak = peak_flops(device)
@@ -232,9 +237,16 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> dict[str, Any]:
             for opt in optimizers:
                 opt.zero_grad(set_to_none=True)
             break
+        meter = stiction if stiction is not None and (step + 1) % cfg.stiction_every == 0 else None
+        if meter is not None:
+            meter.before()
         for opt in optimizers:
             opt.step()
             opt.zero_grad(set_to_none=True)
+        if meter is not None:
+            rates = meter.after()
+            flips.append([step + 1, rates["all"]])
+            _log(metrics, {"step": step + 1, "flip_rate": rates})
         for moe in model.moe_layers():
             moe.update_bias()
         if device.type == "cuda":
@@ -259,7 +271,7 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> dict[str, Any]:
         if (cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0) or step + 1 == end:
             if rank == 0:
                 save_checkpoint(out / "checkpoint", model, optimizers, step=step + 1, identity=identity,
-                                extra={"evals": evals, "train": train_curve,
+                                extra={"evals": evals, "train": train_curve, "flips": flips,
                                        "wall_s": wall_before + time.perf_counter() - t0})
             last_ckpt = step + 1
             if world > 1:
@@ -282,6 +294,7 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> dict[str, Any]:
                   "train_loss": train_curve[-1][1] if train_curve else None, "steps": done},
         "wall_s": wall, "tokens_per_s": timed_tokens / timed_s if timed_s else None,
         "mfu": (timed_tokens / timed_s * flops_per_token / peak) if timed_s and peak else None,
+        "flip_rate": flips,
     }
     if rank == 0:
         (out / "receipt.json").write_text(json.dumps(receipt, indent=1))

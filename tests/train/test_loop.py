@@ -22,11 +22,12 @@ def _cfg(token_file, out, **kw) -> TrainConfig:
 
 RECEIPT_KEYS = {"schema", "name", "status", "message", "config", "recipe", "recipe_text", "model", "params",
                 "active_params", "data", "seed", "world", "git", "device", "versions", "evals", "train_curve",
-                "final", "wall_s", "tokens_per_s", "mfu"}
+                "final", "wall_s", "tokens_per_s", "mfu", "flip_rate"}
 
 
 def test_receipt_is_complete_and_loss_falls(token_file, tmp_path):
-    receipt = train(_cfg(token_file, tmp_path / "run", steps=30, eval_every=10, recipe="nvfp4_plain"))
+    receipt = train(_cfg(token_file, tmp_path / "run", steps=30, eval_every=10, recipe="nvfp4_plain",
+                         stiction_every=10))
     on_disk = json.loads((tmp_path / "run" / "receipt.json").read_text())
     assert set(on_disk) == RECEIPT_KEYS and on_disk == json.loads(json.dumps(receipt))
     assert receipt["status"] == "ok" and receipt["final"]["steps"] == 30
@@ -35,8 +36,11 @@ def test_receipt_is_complete_and_loss_falls(token_file, tmp_path):
     assert receipt["recipe"]["name"] == "nvfp4_plain" and "fprop" in receipt["recipe_text"]
     assert receipt["data"]["tokens"] == 40_000 and receipt["versions"]["torch"]
     assert set(receipt["git"]) == {"sha", "dirty", "diff_sha256"}
+    assert [s for s, _ in receipt["flip_rate"]] == [10, 20, 30]
+    assert all(0 < rate < 1 for _, rate in receipt["flip_rate"])  # codes move, not all of them
     lines = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [l["step"] for l in lines if "val_loss" in l] == [10, 20, 30]
+    assert {"all", "blocks.0.attn.qkv"} <= set(next(l["flip_rate"] for l in lines if "flip_rate" in l))
     assert all({"train_loss", "lr_mult", "grad_norm", "tokens_per_s"} <= set(l) for l in lines if "train_loss" in l)
 
 
