@@ -47,16 +47,33 @@ def _inspect(path: Path, args: argparse.Namespace) -> int:
 
 
 def _study(args: argparse.Namespace) -> int:
-    from .studies import conversion
+    from .studies import catalog, conversion
 
     if args.list or args.name is None:
         print(f"conversion  MXFP4 -> NVFP4 on {len(conversion.SCENARIOS)} scenarios; arms: "
               f"{', '.join(conversion.METHODS)}; CPU, about a minute")
+        for study in catalog.STUDIES.values():
+            print(f"{study.name:<20} {study.title}\n{'':<20} claim: {study.claim} ({study.source})")
+            print(f"{'':<20} arms: {', '.join(a.name for a in study.arms)}")
+            cost = "; ".join(f"{s.name} {len(study.arms) * len(s.seeds)} runs ~"
+                             f"{len(study.arms) * len(s.seeds) * s.minutes_per_run[study.moe]:.0f} min ({s.where})"
+                             for s in catalog.SCALES.values())
+            print(f"{'':<20} cost: {cost}")
         return 0
     out = args.out or Path("results") / args.name
-    receipt = conversion.run(out, mx_mode=args.mx_mode)
-    print(conversion.report(receipt))
-    print(f"wrote {out / 'receipt.json'} and {out / 'table.md'}")
+    if args.name == "conversion":
+        receipt = conversion.run(out, mx_mode=args.mx_mode)
+        print(conversion.report(receipt))
+        print(f"wrote {out / 'receipt.json'} and {out / 'table.md'}")
+        return 0
+    from .studies.study import run_study, write_report
+    study = catalog.study(args.name)
+    if not args.report_only:
+        seeds = tuple(args.seeds) if args.seeds else None
+        run_study(study, catalog.scale(args.scale), out, seeds=seeds, jobs=args.jobs, **_settings(args.set))
+    text, files = write_report(study, out)
+    print(text)
+    print("wrote " + ", ".join(map(str, files)))
     return 0
 
 
@@ -179,9 +196,15 @@ def main(argv: list[str] | None = None) -> int:
     from .verify import cli as verify_cli
     verify_cli.add_parser(sub)
     generate.add_parser(sub)
-    p = sub.add_parser("study", help="run a published FP4 finding as a study (today: conversion)")
-    p.add_argument("name", nargs="?", choices=["conversion"], help="the study to run")
-    p.add_argument("--list", action="store_true", help="list the studies with their arms")
+    p = sub.add_parser("study", help="run a published FP4 finding as a study (fp4lab study --list)")
+    p.add_argument("name", nargs="?", help="the study to run (see --list)")
+    p.add_argument("--list", action="store_true", help="list the studies with their arms and cost")
+    p.add_argument("--scale", default="smoke", help="smoke (CPU, seconds), gpu-small, gpu-medium")
+    p.add_argument("--seeds", type=int, nargs="+", help="seeds to run (default: the scale's)")
+    p.add_argument("--jobs", type=int, default=1, help="runs at once, in subprocesses (GPU: small models)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="change a training setting of every run, e.g. steps=100")
+    p.add_argument("--report-only", action="store_true", help="rebuild report.md and plots from the receipts")
     p.add_argument("--out", type=Path, default=None, help="output folder (default results/<name>)")
     p.add_argument("--mx-mode", choices=["floor", "ceil", "even", "rceil"], default="rceil",
                    help="MXFP4 encoder of the conversion study's inputs")

@@ -8,7 +8,7 @@
 The BF16 arm is the run whose recipe quantizes nothing (the first such, when several). Plots
 need matplotlib; without it the table is still written and the plots are skipped with a note.
 
-Public: ``load_receipts``, ``gap_table``, ``report``.
+Public: ``load_receipts``, ``gap_table``, ``plots``, ``report``.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def gap_table(receipts: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _plots(receipts: list[dict[str, Any]], out_dir: Path, title: str) -> list[Path]:
+def plots(receipts: list[dict[str, Any]], out_dir: Path, title: str) -> list[Path]:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -114,7 +114,7 @@ def report(run_dirs: list[Path], out_dir: Path, *, title: str = "fp4lab") -> tup
     (out_dir / "report.md").write_text(header + table + "\n")
     written = [out_dir / "report.md"]
     try:
-        written += _plots(receipts, out_dir, title)
+        written += plots(receipts, out_dir, title)
     except ImportError:
         (out_dir / "report.md").write_text(header + table + "\n\n(plots skipped: matplotlib is not installed)\n")
     return table, written
