@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from ..train.corpus import CORPORA, default_dataset
 from ..train.loop import TrainConfig, train
 from ..train.report import gap_table, load_receipts, plots
 
@@ -117,6 +118,8 @@ def run_study(study: Study, scale: Scale, out: Path, *, seeds: tuple[int, ...] |
     from tqdm import tqdm
     configs = arm_configs(study, scale, out, seeds=seeds, **changes)
     todo = [c for c in configs if not _done(c)]
+    for source, vocab, max_bytes in {(c.data, c.vocab_size, c.data_max_bytes) for c in todo if c.data in CORPORA}:
+        default_dataset(source, vocab_size=vocab, max_bytes=max_bytes)  # built once, before any worker starts
     bar = tqdm(total=len(configs), initial=len(configs) - len(todo), desc=study.name, unit="run")
     if jobs > 1 and len(todo) > 1:
         with multiprocessing.get_context("spawn").Pool(min(jobs, len(todo))) as pool:

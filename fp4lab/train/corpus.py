@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import sysconfig
 from pathlib import Path
 
@@ -159,9 +160,10 @@ def default_dataset(name: str = "python", *, vocab_size: int = 8192, max_bytes: 
     out = cache_root() / "datasets" / f"{name}-{ident}-v{vocab_size}"
     if (out / "meta.json").is_file():
         return out
-    tmp = out.with_name(out.name + ".partial")
+    tmp = out.with_name(f"{out.name}.partial-{os.getpid()}")  # processes building at once never share one
     build_dataset(files, tmp, vocab_size=vocab_size)
-    if out.exists():  # another process finished first
-        return out
-    tmp.replace(out)
+    try:
+        tmp.rename(out)
+    except OSError:  # another process finished first: its copy is the same data
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
