@@ -37,8 +37,9 @@ SCALES = {s.name: s for s in (
     Scale(name="smoke", dense={**_SMOKE, "model": "tiny"}, moe={**_SMOKE, "model": "moe-tiny"}, seeds=(0,),
           where="CPU (CI)", minutes_per_run=(0.03, 0.05)),
     Scale(name="gpu-small", dense={**_SMALL, "model": "d6"},
-          moe={**_SMALL, "model": "moe64", "model_overrides": {"depth": 4}, "steps": 300},
-          seeds=(0, 1), where="one H100", minutes_per_run=(0.6, 2.0)),
+          moe={**_SMALL, "model": "moe64", "model_overrides": {"depth": 4}, "steps": 150, "warmup": 15,
+               "eval_every": 25},
+          seeds=(0, 1), where="one H100", minutes_per_run=(0.6, 2.5)),
     Scale(name="gpu-medium", dense={**_MEDIUM, "model": "d12"}, moe={**_MEDIUM, "model": "moe64", "steps": 384},
           seeds=(0, 1, 2), where="one H100", minutes_per_run=(8.0, 12.0)),
 )}
