@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -129,8 +130,9 @@ def _train(args: argparse.Namespace) -> int:
     changes.update(_settings(args.set))
     cfg = TrainConfig().with_overrides(changes)
     receipt = train(cfg, resume=args.resume)
-    print(gap_table([receipt]))
-    print(f"wrote {cfg.out}/receipt.json")
+    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, one rank reports
+        print(gap_table([receipt]))
+        print(f"wrote {cfg.out}/receipt.json")
     return 0 if receipt["status"] in ("ok", "stopped") else 1
 
 

@@ -22,6 +22,17 @@ for phase in "$@"; do
          [ "$(left)" -gt 30 ] || { echo "skipped: out of time"; continue; }
          timeout "$(left)" python3 -m fp4lab study "$name" --scale "${SCALE:-gpu-small}" --jobs "${JOBS:-6}" \
            --out "results/$name" 2>&1 | quiet | grep -v "^|" | tail -40 ;;
+    ddp) # 1 GPU vs torchrun on 2 GPUs, the same global batch (32 x 512), BF16 and NVFP4
+         python3 -c "from fp4lab.train.corpus import default_dataset; default_dataset('python')" 2>&1 | quiet
+         for recipe in bf16 nvfp4; do
+           common="--model d6 --data python --recipe $recipe --steps 200 --set batch_size=32 --set seq_len=512 \
+                   --set warmup=20 --set lr=2e-3 --set eval_every=50 --set eval_batches=16 --set progress=false"
+           CUDA_VISIBLE_DEVICES=0 python3 -m fp4lab train $common --out "results/ddp/$recipe-1gpu" | tail -1
+           torchrun --nproc_per_node=2 -m fp4lab train $common --out "results/ddp/$recipe-2gpu" 2>&1 | tail -1
+         done
+         python3 -m fp4lab report results/ddp/*gpu --out results/ddp --title "DDP: 1 vs 2 GPUs" | tail -6
+         python3 scripts/compare_runs.py results/ddp/bf16-1gpu results/ddp/bf16-2gpu results/ddp/nvfp4-1gpu \
+           results/ddp/nvfp4-2gpu | tee results/ddp/compare.md ;;
     report) for dir in results/*/; do
               name=$(basename "$dir")
               ls "$dir" | grep -q -- "-seed" && python3 -m fp4lab study "$name" --report-only --out "$dir" 2>&1 \

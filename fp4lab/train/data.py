@@ -120,11 +120,9 @@ class TokenStream:
     def val_batches(self, n_batches: int, batch_size: int | None = None):
         """The fixed validation batches (this rank's share): the same for every run on these tokens."""
         b = (batch_size or self.batch_size) // self.world
-        for k in range(n_batches):
-            chunk = self.val_windows[(k * self.world + self.rank) * b:(k * self.world + self.rank + 1) * b]
-            if len(chunk) < b:
-                return
-            yield self._stack(chunk)
+        # only whole global batches, the same count on every rank: any world size sees the same windows
+        for k in range(min(n_batches, len(self.val_windows) // (b * self.world))):
+            yield self._stack(self.val_windows[(k * self.world + self.rank) * b:(k * self.world + self.rank + 1) * b])
 
     @property
     def epoch_steps(self) -> int:

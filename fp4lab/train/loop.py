@@ -116,10 +116,12 @@ class TrainConfig:
 
 
 def _dist() -> tuple[int, int, int]:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world, local_rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_RANK", "0"))
     if world > 1 and not dist.is_initialized():
+        if torch.cuda.is_available():  # before NCCL starts, so that its collectives use this rank's GPU
+            torch.cuda.set_device(local_rank)
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    return (dist.get_rank(), world, int(os.environ.get("LOCAL_RANK", "0"))) if world > 1 else (0, 1, 0)
+    return (dist.get_rank(), world, local_rank) if world > 1 else (0, 1, 0)
 
 
 def _data(cfg: TrainConfig) -> tuple[Any, dict]:
@@ -300,4 +302,6 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> dict[str, Any]:
         (out / "receipt.json").write_text(json.dumps(receipt, indent=1))
     if status == "diverged" and rank == 0:
         print(message)
+    if world > 1:
+        dist.destroy_process_group()
     return receipt

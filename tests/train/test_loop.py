@@ -137,3 +137,26 @@ def test_cli_train_resume_and_report(token_file, tmp_path, capsys):
     assert "unknown training setting 'nonsense'" in capsys.readouterr().err
     assert main(args + ["--recipe", "bf16", "--resume"]) == 2
     assert "belongs to another run" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("recipe, tol", [("bf16", 1e-4), ("nvfp4_plain", 1e-2)])
+def test_two_ranks_match_one_with_the_same_global_batch(token_file, tmp_path, recipe, tol):
+    """torchrun, 2 CPU ranks (gloo): each reads half of every global batch and DDP averages the
+    gradients, so BF16 matches 1 rank up to float summation order. FP4 is close, not equal: each
+    rank takes its tensor scales (amax) over its own half of the batch, as TE does per rank."""
+    import os
+    import subprocess
+    import sys
+    args = ["train", "--data", str(token_file), "--steps", "6", "--recipe", recipe, "--set", "batch_size=8",
+            "--set", "seq_len=32", "--set", "eval_every=3", "--set", "progress=false"]
+    for n in (1, 2):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n), "--master_port",
+               str(29400 + n), "-m", "fp4lab", *args, "--out", str(tmp_path / f"r{n}")]
+        done = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+    one, two = (json.loads((tmp_path / f"r{n}" / "receipt.json").read_text()) for n in (1, 2))
+    assert two["world"] == 2 and one["world"] == 1 and two["config"] == one["config"] | {"out": two["config"]["out"]}
+    for (s1, l1), (s2, l2) in zip(one["train_curve"], two["train_curve"], strict=True):
+        assert s1 == s2 and abs(l1 - l2) < tol * l1
+    assert abs(one["final"]["val_loss"] - two["final"]["val_loss"]) < tol * one["final"]["val_loss"]
