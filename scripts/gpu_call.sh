@@ -24,9 +24,10 @@ for phase in "$@"; do
            --out "results/$name" 2>&1 | quiet | grep -v "^|" | tail -40 ;;
     ddp) # 1 GPU vs torchrun on 2 GPUs, the same global batch (32 x 512), BF16 and NVFP4
          python3 -c "from fp4lab.train.corpus import default_dataset; default_dataset('python')" 2>&1 | quiet
+         rm -rf results/ddp
          for recipe in bf16 nvfp4; do
            common="--model d6 --data python --recipe $recipe --steps 200 --set batch_size=32 --set seq_len=512 \
-                   --set warmup=20 --set lr=2e-3 --set eval_every=50 --set eval_batches=16 --set progress=false"
+                   --set warmup=40 --set lr=2e-3 --set eval_every=50 --set eval_batches=16 --set progress=false"
            CUDA_VISIBLE_DEVICES=0 python3 -m fp4lab train $common --out "results/ddp/$recipe-1gpu" | tail -1
            torchrun --nproc_per_node=2 -m fp4lab train $common --out "results/ddp/$recipe-2gpu" 2>&1 | tail -1
          done

@@ -48,6 +48,10 @@ class QuantContext:
     """Record quant_stats of every quantized operand into ``stats`` (costs a sync per operand)."""
     stats: dict[str, dict[str, float]] = field(default_factory=dict)
     """'<layer>.<gemm>.<a|b>' -> formats.quant_stats of that operand, from the last call."""
+    rank: int = 0
+    """Data-parallel rank. Ranks > 0 fold it into every seed: with one stream on all ranks, the
+    stochastic-rounding noise of their gradient shards would be correlated, and DDP's average
+    would not shrink it as a single GPU's larger batch does. Rank 0 keeps single-GPU seeds."""
 
 
 @dataclass(frozen=True)
@@ -130,8 +134,8 @@ def layer_key(name: str) -> int:
 
 
 def _call(recipe: Recipe, name: str, context: QuantContext) -> _Call:
-    return _Call(recipe=recipe.at_progress(context.progress), name=name,
-                 root=derive_seed(recipe.seed, layer_key(name), context.tick),
+    parts = (recipe.seed, layer_key(name), context.tick) + ((context.rank,) if context.rank else ())
+    return _Call(recipe=recipe.at_progress(context.progress), name=name, root=derive_seed(*parts),
                  stats=context.stats if context.collect else None)
 
 

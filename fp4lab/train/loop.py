@@ -175,6 +175,7 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> dict[str, Any]:
     torch.manual_seed(cfg.seed)
     model = GPT(mcfg)
     context = quantize_model(model, recipe)
+    context.rank = rank
     model.to(device)
     optimizers = build_optimizers(model, lr=cfg.lr, weight_decay=cfg.weight_decay, dense=cfg.dense_opt,
                                   expert=cfg.expert_opt, muon_lr=cfg.muon_lr, embed_lr=cfg.embed_lr)

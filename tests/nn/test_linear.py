@@ -154,6 +154,22 @@ def test_stochastic_rounding_of_gradients_is_unbiased_over_steps():
     assert not torch.equal(dgrad("stochastic", 7), dgrad("stochastic", 8))
 
 
+def test_data_parallel_ranks_draw_their_own_rounding_bytes():
+    """The same gradient shard on ranks 0 and 1 rounds differently (independent noise to average);
+    rank 0 keeps the single-process seeds, so a 1-GPU run's bytes do not depend on DDP existing."""
+    torch.manual_seed(3)
+    x, w, dy = torch.randn(16, 64), torch.randn(32, 64), torch.randn(16, 32)
+    recipe = Recipe(dgrad=GemmSpec(a=Operand(format="nvfp4", rounding="stochastic")))
+
+    def dgrad(context):
+        xp = x.clone().requires_grad_()
+        fp4_linear(xp, w, None, recipe, name="l", context=context).backward(dy)
+        return xp.grad
+    assert torch.equal(dgrad(QuantContext(tick=5, rank=0)), dgrad(QuantContext(tick=5)))
+    assert not torch.equal(dgrad(QuantContext(tick=5, rank=1)), dgrad(QuantContext(tick=5)))
+    assert torch.equal(dgrad(QuantContext(tick=5, rank=1)), dgrad(QuantContext(tick=5, rank=1)))
+
+
 def test_ragged_dims_are_padded_and_late_training_switches_to_bf16():
     torch.manual_seed(3)
     x, w = torch.randn(5, 40), torch.randn(24, 40)
