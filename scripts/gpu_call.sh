@@ -34,6 +34,13 @@ for phase in "$@"; do
          python3 -m fp4lab report results/ddp/*gpu --out results/ddp --title "DDP: 1 vs 2 GPUs" | tail -6
          python3 scripts/compare_runs.py results/ddp/bf16-1gpu results/ddp/bf16-2gpu results/ddp/nvfp4-1gpu \
            results/ddp/nvfp4-2gpu | tee results/ddp/compare.md ;;
+    gpt-d12) # a ~100M GPT (d12, 8192-entry BPE), BF16 then NVFP4, 300 steps of 16 x 1024 tokens, alone on the GPU
+         for recipe in bf16 nvfp4; do
+           python3 -m fp4lab train --model d12 --data python --recipe "$recipe" --steps 300 --set batch_size=16 \
+             --set seq_len=1024 --set warmup=30 --set lr=1e-3 --set eval_every=50 --set eval_batches=16 \
+             --set progress=false --out "results/gpt-d12/$recipe" | tail -1
+         done
+         python3 -m fp4lab report results/gpt-d12/bf16 results/gpt-d12/nvfp4 --out results/gpt-d12 --title "d12 GPT" ;;
     report) for dir in results/*/; do
               name=$(basename "$dir")
               ls "$dir" | grep -q -- "-seed" && python3 -m fp4lab study "$name" --report-only --out "$dir" 2>&1 \
