@@ -3,7 +3,7 @@
 On a CPU (about 4 minutes on 2 cores): the "tiny" GPT (2 blocks, D = 128) on a 4 MB prefix of
 the standard-library corpus with a 4096-entry BPE, 100 steps of 16 x 128 tokens; every linear
 in the blocks quantized (the tiny model has no blocks to spare for NVIDIA's BF16 layers). On a
-GPU: the "d6" GPT (~30M parameters with this vocabulary) on the full Python corpus, 400 steps of
+GPU: the "d6" GPT (16.9M parameters with this vocabulary) on the full Python corpus, 400 steps of
 32 x 512 tokens, NVIDIA's recipe as published (first and last block BF16). Writes one run
 directory per arm, report.md, loss.png and gap.png under ``out``.
 
