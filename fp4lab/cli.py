@@ -118,12 +118,13 @@ def _settings(pairs: list[str]) -> dict:
 def _train(args: argparse.Namespace) -> int:
     import tomllib
 
+    from .nn.recipe import dotted_keys
     from .train.loop import TrainConfig, train
     from .train.report import gap_table
 
     changes = {}
     if args.config:
-        changes.update(_flat(tomllib.loads(args.config.read_text())))
+        changes.update(dotted_keys(tomllib.loads(args.config.read_text())))
     for key in ("model", "recipe", "out", "data", "steps"):
         if getattr(args, key) is not None:
             changes[key] = getattr(args, key)
@@ -134,16 +135,6 @@ def _train(args: argparse.Namespace) -> int:
         print(gap_table([receipt]))
         print(f"wrote {cfg.out}/receipt.json")
     return 0 if receipt["status"] in ("ok", "stopped") else 1
-
-
-def _flat(data: dict, prefix: str = "") -> dict:
-    flat = {}
-    for key, value in data.items():
-        if isinstance(value, dict):
-            flat.update(_flat(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -180,8 +171,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="which default size to use (auto: gpu when CUDA is available)")
     p.add_argument("--steps", type=int, default=None, help="override the number of steps")
     p = sub.add_parser("train", help="train one run: fp4lab train --model tiny --recipe nvfp4 --set lr=1e-3")
-    p.add_argument("--config", type=Path, help="a TOML file of TrainConfig fields ([model] / [recipe] tables "
-                   "for overrides)")
+    p.add_argument("--config", type=Path, help="a TOML file of TrainConfig fields (with [model_overrides] and "
+                   "[recipe_overrides] tables)")
     p.add_argument("--model", help="model preset (tiny, moe-tiny, d6, d12, d16, moe64)")
     p.add_argument("--recipe", help="recipe preset or .toml/.json file")
     p.add_argument("--data", help="built-in corpus (python, stdlib) or a token-shard path")

@@ -20,7 +20,7 @@ Presets (functions returning a Recipe): ``bf16``, ``nvfp4`` (NVIDIA's recipe, ar
 per-GEMM progression of the AMD MXFP4 study: ``fprop``, ``fprop_dgrad``, ``fprop_dgrad_wgrad``.
 
 Public: ``Precision``, ``HadamardMode``, ``Bf16Scope``, ``Operand``, ``GemmSpec``, ``Recipe``,
-``PRESETS``, ``preset``, ``load_recipe`` and the preset functions.
+``PRESETS``, ``preset``, ``load_recipe``, ``dotted_keys`` and the preset functions.
 """
 
 from __future__ import annotations
@@ -297,14 +297,15 @@ def load_recipe(source: str | Path) -> Recipe:
     base = data.pop("base", None)
     if base is None:
         return Recipe.from_dict(data)
-    return preset(base).override(_flatten(data))
+    return preset(base).override(dotted_keys(data))
 
 
-def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def dotted_keys(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested tables -> one level of dotted keys: {"wgrad": {"hadamard": x}} -> {"wgrad.hadamard": x}."""
     flat = {}
     for key, value in data.items():
         if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}."))
+            flat.update(dotted_keys(value, f"{prefix}{key}."))
         else:
             flat[f"{prefix}{key}"] = value
     return flat

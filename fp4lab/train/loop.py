@@ -98,14 +98,15 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
     def with_overrides(self, changes: dict[str, Any]) -> "TrainConfig":
-        """Apply "key=value"-style changes: TrainConfig fields, "model.<field>", "recipe.<dotted>"."""
+        """Apply "key=value"-style changes: TrainConfig fields, "model.<field>", "recipe.<dotted>"
+        (or "model_overrides.<field>", "recipe_overrides.<dotted>": the spelling of TOML tables)."""
         fields = {f.name: f for f in dataclasses.fields(self)}
         direct, model_o, recipe_o = {}, dict(self.model_overrides), dict(self.recipe_overrides)
         for key, value in changes.items():
             head, _, rest = key.partition(".")
-            if head == "model" and rest:
+            if head in ("model", "model_overrides") and rest:
                 model_o[rest] = value
-            elif head == "recipe" and rest:
+            elif head in ("recipe", "recipe_overrides") and rest:
                 recipe_o[rest] = value
             elif key in fields:
                 direct[key] = value

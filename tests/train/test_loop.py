@@ -160,3 +160,12 @@ def test_two_ranks_match_one_with_the_same_global_batch(token_file, tmp_path, re
     for (s1, l1), (s2, l2) in zip(one["train_curve"], two["train_curve"], strict=True):
         assert s1 == s2 and abs(l1 - l2) < tol * l1
     assert abs(one["final"]["val_loss"] - two["final"]["val_loss"]) < tol * one["final"]["val_loss"]
+
+
+def test_cli_train_reads_a_toml_config(token_file, tmp_path):
+    config = tmp_path / "run.toml"
+    config.write_text(f'data = "{token_file}"\nsteps = 3\nbatch_size = 8\nseq_len = 32\neval_every = 3\n'
+                      'progress = false\nrecipe = "nvfp4"\n[recipe_overrides]\nkeep_first = 0\n[model_overrides]\ndepth = 1\n')
+    assert main(["train", "--config", str(config), "--out", str(tmp_path / "run")]) == 0
+    receipt = json.loads((tmp_path / "run" / "receipt.json").read_text())
+    assert receipt["recipe"]["keep_first"] == 0 and receipt["model"]["depth"] == 1 and receipt["final"]["steps"] == 3
