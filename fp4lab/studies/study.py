@@ -21,7 +21,6 @@ Public: ``Arm``, ``Scale``, ``Study``, ``Verdict``, ``arm_configs``, ``run_study
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import multiprocessing
 import statistics
@@ -197,7 +196,3 @@ def write_report(study: Study, out: Path) -> tuple[str, list[Path]]:
     files = [out / "report.md", out / "headline.json"] + plots(seed0, out, f"{study.name} (seed {seed0[0]['seed']})")
     return text, files
 
-
-def replace_scale(scale: Scale, **changes: Any) -> Scale:
-    """The scale with TrainConfig fields changed in both its dense and MoE settings."""
-    return dataclasses.replace(scale, dense={**scale.dense, **changes}, moe={**scale.moe, **changes})
