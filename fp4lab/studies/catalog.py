@@ -50,11 +50,13 @@ def _mean(finals: dict[str, list[float]], arm: str) -> float:
 
 
 def _sd(finals: dict[str, list[float]], arm: str) -> float:
-    return statistics.stdev(finals[arm]) if len(finals[arm]) > 1 else 0.0
+    vals = finals[arm]
+    return float("inf") if float("inf") in vals else statistics.stdev(vals) if len(vals) > 1 else 0.0
 
 
 def _have(finals: dict[str, list[float]], *arms: str) -> bool:
-    return all(a in finals and float("inf") not in finals[a] for a in arms)
+    """Every arm has finished runs; a diverged run counts (as +inf, the worst result)."""
+    return all(a in finals for a in arms)
 
 
 def _missing(*arms: str) -> Verdict:
@@ -166,10 +168,9 @@ GEMM_PROGRESSION = Study(
 
 def _wgrad(finals, _runs) -> Verdict:
     arms = ("none", "sr", "random_hadamard", "det_hadamard")
-    if not _have(finals, "bf16") or not all(a in finals for a in arms):
+    if not _have(finals, "bf16", *arms):
         return _missing("bf16", *arms)
-    gaps = {a: (_mean(finals, a) - _mean(finals, "bf16")) if float("inf") not in finals[a] else float("inf")
-            for a in arms}
+    gaps = {a: _mean(finals, a) - _mean(finals, "bf16") for a in arms}
     best = min(gaps, key=gaps.get)
     text = f"gap to BF16: {', '.join(f'{a} {g:+.3f}' for a, g in gaps.items())}" + _diverged(finals)
     beats_none = gaps["det_hadamard"] < gaps["none"]
@@ -204,8 +205,7 @@ def _ablation(finals, _runs) -> Verdict:
     if not _have(finals, "full"):
         return _missing("full")
     done = [a for a in _ABLATIONS if a in finals]
-    d = {a: (_mean(finals, a) - _mean(finals, "full")) if float("inf") not in finals[a] else float("inf")
-         for a in done}
+    d = {a: _mean(finals, a) - _mean(finals, "full") for a in done}
     hurt = [a for a in done if d[a] > 0]
     text = f"vs full recipe: {_fmt(d, finals)}"
     if _have(finals, "bf16_late", "bf16"):

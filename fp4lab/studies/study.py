@@ -22,6 +22,7 @@ Public: ``Arm``, ``Scale``, ``Study``, ``Verdict``, ``arm_configs``, ``run_study
 from __future__ import annotations
 
 import json
+import math
 import multiprocessing
 import statistics
 from dataclasses import dataclass, field
@@ -144,8 +145,9 @@ def load_study(study: Study, out: Path) -> dict[str, list[dict]]:
 
 
 def _finals(receipts: list[dict]) -> list[float]:
-    """Final val loss per seed; a diverged run counts as +inf (it did not finish)."""
-    return [r["final"]["val_loss"] if r["status"] == "ok" else float("inf") for r in receipts]
+    """Final val loss per seed; a diverged run (or a non-finite loss) counts as +inf."""
+    vals = [r["final"]["val_loss"] if r["status"] == "ok" else None for r in receipts]
+    return [v if v is not None and math.isfinite(v) else float("inf") for v in vals]
 
 
 def _mean_spread(values: list[float]) -> str:

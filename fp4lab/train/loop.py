@@ -13,7 +13,8 @@ batches. A non-finite loss, or one above ``diverge_loss``, stops the run with st
 and a clear message; the last checkpoint (from before the divergence) is kept as it was.
 Under torchrun (WORLD_SIZE > 1) the model is wrapped in DistributedDataParallel and each rank
 reads its share of every global batch (data.TokenStream), so the global batch is the same as
-on one GPU.
+on one GPU; MoE load counts are summed over ranks before the balancing-bias update, so every
+rank moves the same bias as one GPU would. A non-finite gradient norm counts as divergence.
 
 Public: ``TrainConfig``, ``train``.
 """
@@ -182,7 +183,9 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> dict[str, Any]:
                                   expert=cfg.expert_opt, muon_lr=cfg.muon_lr, embed_lr=cfg.embed_lr)
     runner = model
     if world > 1:
-        runner = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda" else None)
+        # buffers stay per rank: the MoE load counts are summed over ranks explicitly, once a step
+        runner = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[local_rank] if device.type == "cuda" else None, broadcast_buffers=False)
     if cfg.compile:
         runner = torch.compile(runner)
     identity = {"config": {k: v for k, v in cfg.to_dict().items() if k not in ("out", "steps", "progress",
@@ -198,7 +201,14 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> dict[str, Any]:
 
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
-    metrics = open(out / "metrics.jsonl", "a" if start else "w") if rank == 0 else None
+    metrics = None
+    if rank == 0:
+        path = out / "metrics.jsonl"
+        # a resumed run replays the steps after its checkpoint: drop the lines an interruption left there
+        kept = [line for line in (path.read_text().splitlines() if start and path.exists() else [])
+                if json.loads(line)["step"] <= start]
+        metrics = open(path, "w")
+        metrics.writelines(line + "\n" for line in kept)
     autocast = device.type == "cuda"
     stiction = StictionMeter(model) if cfg.stiction_every and recipe.quantized else None
     n_active = model.num_params(active=True)
@@ -233,10 +243,11 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> dict[str, Any]:
         if world > 1:
             dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip if cfg.clip > 0 else float("inf"))
-        train_loss = float(loss_sum)
-        if not math.isfinite(train_loss) or train_loss > cfg.diverge_loss:
-            status = "diverged"
-            message = (f"training diverged at step {step}: loss {train_loss:.4g} (limit {cfg.diverge_loss}); "
+        train_loss, norm = float(loss_sum), float(grad_norm)
+        if not math.isfinite(train_loss) or not math.isfinite(norm) or train_loss > cfg.diverge_loss:
+            status = "diverged"  # a non-finite gradient would turn every weight into NaN at the step
+            message = (f"training diverged at step {step}: loss {train_loss:.4g} (limit {cfg.diverge_loss}), "
+                       f"gradient norm {norm:.4g}; "
                        + (f"the last checkpoint (step {last_ckpt}) is kept" if last_ckpt else "no checkpoint was written"))
             for opt in optimizers:
                 opt.zero_grad(set_to_none=True)
@@ -252,6 +263,8 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> dict[str, Any]:
             flips.append([step + 1, rates["all"]])
             _log(metrics, {"step": step + 1, "flip_rate": rates})
         for moe in model.moe_layers():
+            if world > 1:  # balance on the global batch's routing, the same bias on every rank
+                dist.all_reduce(moe.load)
             moe.update_bias()
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -265,7 +278,7 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> dict[str, Any]:
             bar.set_postfix(loss=f"{train_loss:.3f}")
         if (step + 1) % cfg.log_every == 0:
             tps = tokens_per_step / dt
-            _log(metrics, {"step": step + 1, "train_loss": train_loss, "lr_mult": mult, "grad_norm": float(grad_norm),
+            _log(metrics, {"step": step + 1, "train_loss": train_loss, "lr_mult": mult, "grad_norm": norm,
                            "tokens_per_s": tps, "mfu": tps * flops_per_token / peak if peak else None})
         last = step + 1 == cfg.steps
         if (step + 1) % cfg.eval_every == 0 or last:

@@ -88,6 +88,17 @@ def test_wgrad_verdict_counts_divergence_as_worst():
     assert verdict == "yes" and "diverged: none" in text
 
 
+def test_a_diverged_seed_counts_as_the_worst_result_not_as_missing():
+    inf = float("inf")
+    finals = {"bf16": [3.0, 3.0], "full": [3.1, 3.1], "no_bf16_layers": [3.2, 3.2], "no_rht": [inf, 3.1],
+              "no_2d_weights": [3.12, 3.12], "no_sr": [3.15, 3.15], "bf16_late": [3.04, 3.04]}
+    text, verdict = STUDIES["nvidia-ablation"].verdict(finals, {})
+    assert verdict == "yes" and "no_rht +inf" in text
+    finals = {"bf16": [3.0], "fprop": [3.01], "fprop_dgrad": [3.02], "fprop_dgrad_wgrad": [inf]}
+    text, verdict = STUDIES["gemm-progression"].verdict(finals, {})
+    assert verdict == "yes" and "diverged: fprop_dgrad_wgrad" in text
+
+
 def test_ablation_and_stiction_verdicts():
     finals = {"bf16": [3.0], "full": [3.1], "no_bf16_layers": [3.2], "no_rht": [3.15], "no_2d_weights": [3.12],
               "no_sr": [3.05], "bf16_late": [3.04]}

@@ -51,10 +51,16 @@ def test_resume_continues_bit_identically(token_file, tmp_path, recipe):
     whole = train(_cfg(token_file, tmp_path / "whole", recipe=recipe, recipe_overrides=overrides))
     first = train(_cfg(token_file, tmp_path / "split", recipe=recipe, recipe_overrides=overrides, stop_at=5))
     assert first["status"] == "stopped" and first["final"]["steps"] == 5
+    with open(tmp_path / "split" / "metrics.jsonl", "a") as f:  # what a crash after the checkpoint leaves
+        f.write(json.dumps({"step": 6, "train_loss": 99.0}) + "\n")
     rest = train(_cfg(token_file, tmp_path / "split", recipe=recipe, recipe_overrides=overrides), resume=True)
     assert rest["status"] == "ok"
     assert rest["train_curve"] == whole["train_curve"]  # every loss, to the last bit
     assert rest["evals"] == whole["evals"]
+    def logged(run):  # the metrics but their timings: the interrupted line is gone, nothing repeats
+        lines = (tmp_path / run / "metrics.jsonl").read_text().splitlines()
+        return [{k: v for k, v in json.loads(line).items() if k not in ("tokens_per_s", "mfu")} for line in lines]
+    assert logged("split") == logged("whole")
     a = load_file(str(tmp_path / "whole" / "checkpoint" / "model.safetensors"))
     b = load_file(str(tmp_path / "split" / "checkpoint" / "model.safetensors"))
     assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
@@ -139,15 +145,17 @@ def test_cli_train_resume_and_report(token_file, tmp_path, capsys):
     assert "belongs to another run" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("recipe, tol", [("bf16", 1e-4), ("nvfp4_plain", 1e-2)])
-def test_two_ranks_match_one_with_the_same_global_batch(token_file, tmp_path, recipe, tol):
+@pytest.mark.parametrize("model, recipe, tol", [("tiny", "bf16", 1e-4), ("tiny", "nvfp4_plain", 1e-2),
+                                                ("moe-tiny", "bf16", 1e-4)])
+def test_two_ranks_match_one_with_the_same_global_batch(token_file, tmp_path, model, recipe, tol):
     """torchrun, 2 CPU ranks (gloo): each reads half of every global batch and DDP averages the
     gradients, so BF16 matches 1 rank up to float summation order. FP4 is close, not equal: each
     rank takes its tensor scales (amax) over its own half of the batch, as TE does per rank."""
     import os
     import subprocess
     import sys
-    args = ["train", "--data", str(token_file), "--steps", "6", "--recipe", recipe, "--set", "batch_size=8",
+    args = ["train", "--data", str(token_file), "--steps", "6", "--model", model, "--recipe", recipe,
+            "--set", "batch_size=8",
             "--set", "seq_len=32", "--set", "eval_every=3", "--set", "progress=false"]
     for n in (1, 2):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n), "--master_port",
