@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from tqdm import tqdm
+
 from ..train.corpus import CORPORA, default_dataset
 from ..train.loop import TrainConfig, train
 from ..train.report import gap_table, load_receipts, plots
@@ -115,7 +117,6 @@ def _run_one(cfg: TrainConfig) -> str:
 def run_study(study: Study, scale: Scale, out: Path, *, seeds: tuple[int, ...] | None = None, jobs: int = 1,
               **changes: Any) -> list[TrainConfig]:
     """Train every missing (arm, seed) run -> all the study's configs."""
-    from tqdm import tqdm
     configs = arm_configs(study, scale, out, seeds=seeds, **changes)
     todo = [c for c in configs if not _done(c)]
     for source, vocab, max_bytes in {(c.data, c.vocab_size, c.data_max_bytes) for c in todo if c.data in CORPORA}:

@@ -32,10 +32,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 from ..nn import GPT, StictionMeter, load_recipe, model_config, quantize_model
 from .checkpoint import load_checkpoint, save_checkpoint
-from .corpus import default_dataset
+from .corpus import CORPORA, default_dataset
 from .data import TokenStream, dataset_meta, load_tokens
 from .optim import build_optimizers, lr_multiplier
 from .receipt import environment, peak_flops
@@ -128,10 +129,10 @@ def _dist() -> tuple[int, int, int]:
 
 def _data(cfg: TrainConfig) -> tuple[Any, dict]:
     path = Path(cfg.data)
-    if cfg.data in ("python", "stdlib"):
+    if cfg.data in CORPORA:
         path = default_dataset(cfg.data, vocab_size=cfg.vocab_size, max_bytes=cfg.data_max_bytes)
     elif not path.exists():
-        raise FileNotFoundError(f"data {cfg.data!r} is neither a built-in corpus (python, stdlib) nor a path")
+        raise FileNotFoundError(f"data {cfg.data!r} is neither a built-in corpus {CORPORA} nor a path")
     meta = dataset_meta(path) if path.is_dir() else {}
     tokens = load_tokens(path)
     info = {"source": cfg.data, "path": str(path), "tokens": int(len(tokens)),
@@ -218,11 +219,7 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> dict[str, Any]:
     status, message = "ok", ""
     bar = None
     if cfg.progress and rank == 0:
-        try:
-            from tqdm import tqdm
-            bar = tqdm(total=cfg.steps, initial=start, desc=f"{recipe.name}", unit="step", leave=False)
-        except ImportError:
-            bar = None
+        bar = tqdm(total=cfg.steps, initial=start, desc=f"{recipe.name}", unit="step", leave=False)
     t0, timed_tokens, timed_s = time.perf_counter(), 0, 0.0
     done = start
     end = cfg.steps if cfg.stop_at is None else min(cfg.steps, cfg.stop_at)

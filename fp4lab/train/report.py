@@ -5,8 +5,7 @@
                      and %), tokens/s and its ratio to BF16, status
     loss.png         valid-loss curves (and train loss, faint) against tokens
     gap.png          valid-loss gap to the BF16 arm against step (where a BF16 arm exists)
-The BF16 arm is the run whose recipe quantizes nothing (the first such, when several). Plots
-need matplotlib; without it the table is still written and the plots are skipped with a note.
+The BF16 arm is the run whose recipe quantizes nothing (the first such, when several).
 
 Public: ``load_receipts``, ``gap_table``, ``plots``, ``report``.
 """
@@ -112,9 +111,4 @@ def report(run_dirs: list[Path], out_dir: Path, *, title: str = "fp4lab") -> tup
               f"git {env['git']['sha'][:12]}; data {env['data']['source']} "
               f"({env['data']['tokens']:,} tokens, sha256 {str(env['data']['identity'].get('sha256'))[:12]})\n\n")
     (out_dir / "report.md").write_text(header + table + "\n")
-    written = [out_dir / "report.md"]
-    try:
-        written += plots(receipts, out_dir, title)
-    except ImportError:
-        (out_dir / "report.md").write_text(header + table + "\n\n(plots skipped: matplotlib is not installed)\n")
-    return table, written
+    return table, [out_dir / "report.md"] + plots(receipts, out_dir, title)
