@@ -54,16 +54,20 @@ def dequantize(q: FP4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor
     return restore(_decode(q, dtype, q.format is Format.NVFP4), q.shape, q.axis)
 
 
-def block_values(q: FP4Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def block_values(q: FP4Tensor, dtype: torch.dtype = torch.bfloat16, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """Triton twin of fp4lab.formats.block_values: [*lead, Lp] code * block scale, no tensor
-    scale; exact in bf16 (the operand of an emulated GEMM)."""
-    return _decode(q, dtype, False)
+    scale; exact in bf16 (the operand of an emulated GEMM). ``out``: a contiguous buffer of that
+    shape and dtype to write into (a slice of a grouped GEMM's operand)."""
+    return _decode(q, dtype, False, out)
 
 
-def _decode(q: FP4Tensor, dtype: torch.dtype, tensor_scale: bool) -> torch.Tensor:
+def _decode(q: FP4Tensor, dtype: torch.dtype, tensor_scale: bool, out: torch.Tensor | None = None) -> torch.Tensor:
     q = with_scale_layout(q, ScaleLayout.PLAIN)
     rows, lp = q.lead_shape.numel(), q.padded_len
-    out = torch.empty(*q.lead_shape, lp, dtype=dtype, device=q.codes.device)
+    if out is None:
+        out = torch.empty(*q.lead_shape, lp, dtype=dtype, device=q.codes.device)
+    elif out.shape != (*q.lead_shape, lp) or out.dtype != dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {dtype} tensor of shape {(*q.lead_shape, lp)}")
     if out.numel():
         nvfp4 = q.format is Format.NVFP4
         br, bc = 32, 128

@@ -9,23 +9,26 @@ bound 2 K 2^-24 (|A| |B|^T) alpha). A NaN block scale makes its outputs NaN, as 
 Under TRITON_INTERPRET=1 the dot takes the same exact values in fp32, because the interpreter's
 dot multiplies bf16 operands' raw bit patterns.
 
-Two ways to run it (``method``):
+Three ways to run it (``method``):
     fused      the kernel below: one pass, decode in the main loop. On an H100 it reaches only
                ~0.12 of cuBLAS BF16 (benchmarks/NOTES.md: the decode is ALU work the tensor
                cores wait for, and register operands defeat Hopper's smem-fed pipeline).
     two_stage  Triton decodes both operands to BF16 in memory (block_values: exact, no tensor
-               scale), cuBLAS multiplies with FP32 output, alpha is applied once: ~0.85 of BF16.
-    auto       two_stage on CUDA (the faster today), fused elsewhere.
-Both compute formats.gemm.emulated_mm's function; they differ only in FP32 summation order.
+               scale), cuBLAS multiplies with FP32 output, alpha and the cast are two more passes.
+    decoded    the same decode, then kernels.matmul.scaled_mm: alpha and the cast in the epilogue.
+    auto       decoded on CUDA, fused elsewhere.
+All compute formats.gemm.emulated_mm's function; they differ only in FP32 summation order.
+``grouped_fp4_mm`` runs one GEMM per MoE expert (variable rows each) in one launch.
 
 Operands as formats.gemm: A [M, K] and B [N, K], both quantized along K in the same format.
 
-Public: ``fp4_mm``, ``GemmMethod``.
+Public: ``fp4_mm``, ``grouped_fp4_mm``, ``GemmMethod``.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import torch
 import triton
@@ -36,6 +39,7 @@ from ..formats.layout import with_scale_layout
 from ..formats.types import Format, FP4Tensor, ScaleLayout, _Choice
 from .decode import block_values
 from .elements import e2m1_value, scale_value
+from .matmul import grouped_scaled_mm, scaled_mm
 
 
 class GemmMethod(_Choice):
@@ -45,6 +49,8 @@ class GemmMethod(_Choice):
     """Decode packed codes in the GEMM's main loop."""
     TWO_STAGE = "two_stage"
     """Decode to BF16 in memory, then cuBLAS with FP32 output, then alpha."""
+    DECODED = "decoded"
+    """Decode to BF16 in memory, then kernels.matmul.scaled_mm (alpha and the cast in its epilogue)."""
 
 
 @triton.jit
@@ -96,7 +102,10 @@ def fp4_mm(qa: FP4Tensor, qb: FP4Tensor, *, out_dtype: torch.dtype = torch.float
     if out_dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"fp4_mm writes float32 or bfloat16, got {out_dtype}")
     method = GemmMethod.parse(method)
-    if method is GemmMethod.TWO_STAGE or (method is GemmMethod.AUTO and qa.codes.is_cuda):
+    if method is GemmMethod.DECODED or (method is GemmMethod.AUTO and qa.codes.is_cuda):
+        a, b = block_values(qa, torch.bfloat16)[:m], block_values(qb, torch.bfloat16)[:n]
+        return scaled_mm(a, b, gemm_alpha(qa, qb), out_dtype=out_dtype)
+    if method is GemmMethod.TWO_STAGE:
         return _two_stage(qa, qb, m, n, out_dtype)
     qa, qb = with_scale_layout(qa, ScaleLayout.PLAIN), with_scale_layout(qb, ScaleLayout.PLAIN)
     kp, bl = qa.padded_len, qa.block_len
@@ -124,3 +133,36 @@ def _two_stage(qa: FP4Tensor, qb: FP4Tensor, m: int, n: int, out_dtype: torch.dt
     else:  # the interpreter: the same exact values, an fp32 matmul
         acc = a.float() @ b.float().T
     return (acc * gemm_alpha(qa, qb)).to(out_dtype)
+
+
+def grouped_fp4_mm(qa: Sequence[FP4Tensor], qb: Sequence[FP4Tensor], *,
+                   out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """One GEMM per group in one launch (MoE experts): qa[g]: A_g [m_g, K], qb[g]: B_g [N, K], all
+    quantized along K in one format -> [sum m_g, N], rows of group g = A_g @ B_g^T (fp4_mm's
+    function; each group keeps its own tensor scales). Operands are decoded to BF16 into one
+    buffer each, then kernels.matmul.grouped_scaled_mm."""
+    if len(qa) != len(qb) or not qa:
+        raise ValueError(f"grouped_fp4_mm takes as many A as B operands (at least one), got {len(qa)} and {len(qb)}")
+    shapes = [_check_pair(a, b) for a, b in zip(qa, qb)]
+    if len({(b.padded_len, n) for b, (_, n) in zip(qb, shapes)}) != 1 or len({a.padded_len for a in qa}) != 1:
+        raise ValueError("grouped_fp4_mm: every group must share K and N")
+    sizes = [m for m, _ in shapes]
+    n, kp = shapes[0][1], qa[0].padded_len
+    device = qa[0].codes.device
+    a = torch.empty(sum(sizes), kp, dtype=torch.bfloat16, device=device)
+    b = torch.empty(len(qb), n, kp, dtype=torch.bfloat16, device=device)
+    start = 0
+    for g, (qa_g, qb_g) in enumerate(zip(qa, qb)):
+        _decode_rows(qa_g, a[start:start + sizes[g]])
+        _decode_rows(qb_g, b[g])
+        start += sizes[g]
+    alpha = torch.stack([gemm_alpha(qa_g, qb_g) for qa_g, qb_g in zip(qa, qb)])
+    return grouped_scaled_mm(a, b, sizes, alpha, out_dtype=out_dtype)
+
+
+def _decode_rows(q: FP4Tensor, out: torch.Tensor) -> None:
+    """The first out.shape[0] rows of q's block values into ``out`` [rows, Kp] (contiguous)."""
+    if q.lead_shape.numel() == out.shape[0]:  # no padding rows: decode in place
+        block_values(q, out=out.view(*q.lead_shape, out.shape[-1]))
+    elif out.shape[0]:
+        out.copy_(block_values(q).reshape(-1, out.shape[-1])[: out.shape[0]])

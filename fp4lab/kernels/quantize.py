@@ -14,10 +14,13 @@ A CUDA tensor ``global_amax`` is trusted (checking it would sync); a float is ch
 
 Bytes per element for NVFP4 with bf16 input: 2 read + 0.5 codes + 1/16 scale = 2.5625.
 
-Public: ``quantize_nvfp4``, ``quantize_mxfp4`` (same signatures as fp4lab.formats).
+Public: ``quantize_nvfp4``, ``quantize_mxfp4`` (same signatures as fp4lab.formats), and
+``nvfp4_block_values``, ``mxfp4_block_values`` (the same quantize written as exact bf16 block values).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
@@ -29,8 +32,9 @@ from ..formats.mxfp4 import MX_BLOCK
 from ..formats.nvfp4 import _check_amax, _nvfp4_block, nvfp4_tensor_terms
 from ..formats.types import Format, FP4Tensor, MXScaleMode, NVFP4Profile, Rounding
 from .amax import finite_amax
-from .elements import (e2m1_rtne, e2m1_stochastic, e4m3_rtne, e4m3_value, pack_nibble_pairs, philox_bytes,
-                       round_to_bf16, widen)
+from .operand import BlockValues
+from .elements import (e2m1_rtne, e2m1_stochastic, e2m1_value, e4m3_rtne, e4m3_value, pack_nibble_pairs,
+                       philox_bytes, round_to_bf16, scale_value, to_bf16_rtne, widen)
 
 # SCALE_RULE values
 TE, TORCHAO = 0, 1
@@ -106,12 +110,17 @@ def _fp4_quantize_kernel(x_ptr, codes_ptr, scales_ptr, amax_ptr, s_dec_ptr, seed
                          R, L, R_OUT, LP, stride_r, stride_c,
                          SCALE_RULE: tl.constexpr, BLOCK: tl.constexpr, TILE_ROWS: tl.constexpr,
                          STOCHASTIC: tl.constexpr, BF16_BITS: tl.constexpr, HADAMARD: tl.constexpr,
-                         AMAX_ONLY: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+                         AMAX_ONLY: tl.constexpr, OUT_VALUES: tl.constexpr, TRANSPOSED: tl.constexpr,
+                         BR: tl.constexpr, BC: tl.constexpr):
     NB: tl.constexpr = BC // BLOCK
     rows = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
     cols = (tl.program_id(1) * BC + tl.arange(0, BC)).to(tl.int64)
-    inside = (rows[:, None] < R) & (cols[None, :] < L)
-    x = tl.load(x_ptr + rows[:, None] * stride_r + cols[None, :] * stride_c, mask=inside, other=0.0)
+    if TRANSPOSED:  # rows are contiguous in memory: load the tile the way memory runs, flip in registers
+        inside_t = (cols[:, None] < L) & (rows[None, :] < R)
+        x = tl.trans(tl.load(x_ptr + cols[:, None] * stride_c + rows[None, :] * stride_r, mask=inside_t, other=0.0))
+    else:
+        inside = (rows[:, None] < R) & (cols[None, :] < L)
+        x = tl.load(x_ptr + rows[:, None] * stride_r + cols[None, :] * stride_c, mask=inside, other=0.0)
     x = tl.reshape(widen(x, BF16_BITS), (BR, NB, BLOCK))
     if HADAMARD > 0:
         x = _hadamard16(x, hadamard_seed, HADAMARD, BF16_BITS, BR, NB)
@@ -161,9 +170,16 @@ def _fp4_quantize_kernel(x_ptr, codes_ptr, scales_ptr, amax_ptr, s_dec_ptr, seed
     code = tl.where(bad[:, :, None] > 0, 0, code)
     sbyte = tl.where(bad > 0, nan_byte, sbyte)
 
+    keep = rows[:, None] < R_OUT
+    if OUT_VALUES:  # code * block scale as bf16 bits (exact), the operand an emulated GEMM multiplies
+        values = e2m1_value(code) * scale_value(sbyte, SCALE_RULE < 2)[:, :, None]
+        vcols = tl.program_id(1) * BC + tl.arange(0, BC)
+        tl.store(codes_ptr + rows[:, None] * LP + vcols[None, :],
+                 to_bf16_rtne(tl.reshape(values, (BR, BC))).to(tl.int16, bitcast=True),
+                 mask=keep & (vcols[None, :] < LP))
+        return
     packed = pack_nibble_pairs(tl.reshape(code, (BR, BC)), BR, BC)
     pcols = tl.program_id(1) * (BC // 2) + tl.arange(0, BC // 2)
-    keep = rows[:, None] < R_OUT
     tl.store(codes_ptr + rows[:, None] * (LP // 2) + pcols[None, :], packed, mask=keep & (pcols[None, :] < LP // 2))
     scols = tl.program_id(1) * NB + tl.arange(0, NB)
     tl.store(scales_ptr + rows[:, None] * (LP // BLOCK) + scols[None, :], sbyte.to(tl.uint8),
@@ -183,7 +199,8 @@ def _strided_2d(x: torch.Tensor, axis: int) -> tuple[torch.Tensor, int, int, int
 
 def _launch(x: torch.Tensor, axis: int, block: tuple[int, int], pad: bool, rule: int,
             amax: torch.Tensor | None, s_dec: torch.Tensor | None, stochastic: bool, seed: int,
-            hadamard: int = 0, hadamard_seed: int = 0, amax_only: bool = False) -> tuple[torch.Tensor, torch.Tensor, int]:
+            hadamard: int = 0, hadamard_seed: int = 0, amax_only: bool = False,
+            out_values: bool = False) -> tuple[torch.Tensor, torch.Tensor, int]:
     axis, pads = check_input(x, axis, block, pad)
     src, rows, length, stride_r, stride_c = _strided_2d(x, axis)
     lp, rows_out = length + pads[0], rows + pads[1]
@@ -193,12 +210,16 @@ def _launch(x: torch.Tensor, axis: int, block: tuple[int, int], pad: bool, rule:
         lead = [rows_out]
     if amax_only:  # the kernel returns before any store: no output buffers
         codes = scales = amax
+    elif out_values:  # bf16 block values (as int16 bits) in place of codes; no scale bytes
+        codes = torch.empty(*lead, lp, dtype=torch.int16, device=x.device)
+        scales = codes
     else:
         codes = torch.empty(*lead, lp // 2, dtype=torch.uint8, device=x.device)
         scales = torch.empty(*lead, lp // block[1], dtype=torch.uint8, device=x.device)
     if rows_out * lp:
-        # a transposed read (axis 0) is contiguous down the rows: tall tiles keep it coalesced
-        br, bc = (128, 64) if stride_c != 1 else (32, 128)
+        # a transposed read (axis 0 of a contiguous matrix) loads [BC, BR] tiles along memory
+        transposed = stride_r == 1 and stride_c != 1
+        br, bc = (128, 64) if transposed else (32, 128)
         grid = (triton.cdiv(rows_out, br), triton.cdiv(lp, bc))
         bf16 = src.dtype == torch.bfloat16
         _fp4_quantize_kernel[grid](src.view(torch.int16) if bf16 else src, codes, scales,
@@ -207,7 +228,8 @@ def _launch(x: torch.Tensor, axis: int, block: tuple[int, int], pad: bool, rule:
                                    rows, length, rows_out, lp, stride_r, stride_c,
                                    SCALE_RULE=rule, BLOCK=block[1], TILE_ROWS=block[0],
                                    STOCHASTIC=stochastic, BF16_BITS=bf16, HADAMARD=hadamard,
-                                   AMAX_ONLY=amax_only, BR=br, BC=bc)
+                                   AMAX_ONLY=amax_only, OUT_VALUES=out_values, TRANSPOSED=transposed,
+                                   BR=br, BC=bc)
     return codes, scales, axis
 
 
@@ -231,6 +253,21 @@ def quantize_nvfp4(x: torch.Tensor, *, axis: int = -1, block: int | tuple[int, i
                    hadamard_seed: int | torch.Generator | None = None) -> FP4Tensor:
     """Triton twin of fp4lab.formats.quantize_nvfp4 (same arguments, same bytes); the Hadamard
     rotation is fused into the quantize (and into its amax pass)."""
+    return _nvfp4(x, False, axis=axis, block=block, rounding=rounding, seed=seed, profile=profile,
+                  global_amax=global_amax, pad=pad, hadamard=hadamard, hadamard_seed=hadamard_seed)
+
+
+def nvfp4_block_values(x: torch.Tensor, **kwargs) -> BlockValues:
+    """quantize_nvfp4(x, **kwargs) decoded to its block values in the same pass: writes bf16
+    code * block scale (exact) instead of codes and scale bytes (formats.block_values)."""
+    return _nvfp4(x, True, **kwargs)
+
+
+def _nvfp4(x: torch.Tensor, out_values: bool, *, axis: int = -1, block: int | tuple[int, int] = 16,
+           rounding: str | Rounding = Rounding.RTNE, seed: int | torch.Generator | None = None,
+           profile: str | NVFP4Profile = NVFP4Profile.TE, global_amax: float | torch.Tensor | None = None,
+           pad: bool = False, hadamard: str | HadamardSigns | None = None,
+           hadamard_seed: int | torch.Generator | None = None) -> FP4Tensor | BlockValues:
     block2, rounding, profile = _nvfp4_block(block), Rounding.parse(rounding), NVFP4Profile.parse(profile)
     check_input(x, axis, block2, pad)
     rotation, h_seed = 0, 0
@@ -240,8 +277,9 @@ def quantize_nvfp4(x: torch.Tensor, *, axis: int = -1, block: int | tuple[int, i
         h_seed = _kernel_seed(hadamard_seed) if signs is HadamardSigns.RANDOM else 0
         if x.dtype not in (torch.float32, torch.bfloat16) or x.shape[axis] % 16:
             from .. import formats  # fp16 rounding / ragged axes: the reference's path and errors
-            return formats.quantize_nvfp4(x, axis=axis, block=block2, rounding=rounding, seed=seed, profile=profile,
-                                          global_amax=global_amax, pad=pad, hadamard=signs, hadamard_seed=hadamard_seed)
+            q = formats.quantize_nvfp4(x, axis=axis, block=block2, rounding=rounding, seed=seed, profile=profile,
+                                       global_amax=global_amax, pad=pad, hadamard=signs, hadamard_seed=hadamard_seed)
+            return BlockValues.of(q) if out_values else q
     if global_amax is None and rotation:
         amax = torch.zeros((), dtype=torch.int32, device=x.device)
         _launch(x, axis, block2, pad, TE, amax, None, False, 0, rotation, h_seed, amax_only=True)
@@ -256,7 +294,9 @@ def quantize_nvfp4(x: torch.Tensor, *, axis: int = -1, block: int | tuple[int, i
         s_dec = nvfp4_tensor_terms(amax.view(torch.float32), profile)[0]
     rule = TE if profile is NVFP4Profile.TE else TORCHAO
     codes, scales, axis = _launch(x, axis, block2, pad, rule, amax, s_dec, rounding is Rounding.STOCHASTIC,
-                                  _seed(rounding, seed), rotation, h_seed)
+                                  _seed(rounding, seed), rotation, h_seed, out_values=out_values)
+    if out_values:
+        return BlockValues(codes.view(torch.bfloat16), s_dec, _logical_rows(x, axis))
     return FP4Tensor(codes=codes, scales=scales.view(torch.float8_e4m3fn), tensor_scale=s_dec,
                      shape=x.shape, axis=axis, block=block2, format=Format.NVFP4, rounding=rounding,
                      profile=profile)
@@ -271,3 +311,18 @@ def quantize_mxfp4(x: torch.Tensor, *, axis: int = -1, mode: str | MXScaleMode =
                                   rounding is Rounding.STOCHASTIC, _seed(rounding, seed))
     return FP4Tensor(codes=codes, scales=scales, tensor_scale=None, shape=x.shape, axis=axis,
                      block=(1, MX_BLOCK), format=Format.MXFP4, rounding=rounding, mx_mode=mode)
+
+
+def mxfp4_block_values(x: torch.Tensor, *, axis: int = -1, mode: str | MXScaleMode = MXScaleMode.FLOOR,
+                       rounding: str | Rounding = Rounding.RTNE, seed: int | torch.Generator | None = None,
+                       pad: bool = False) -> BlockValues:
+    """quantize_mxfp4(x, ...) decoded to its block values (bf16 code * 2^e) in the same pass."""
+    mode, rounding = MXScaleMode.parse(mode), Rounding.parse(rounding)
+    values, _, axis = _launch(x, axis, (1, MX_BLOCK), pad, MX_RULES[mode], None, None,
+                              rounding is Rounding.STOCHASTIC, _seed(rounding, seed), out_values=True)
+    return BlockValues(values.view(torch.bfloat16), None, _logical_rows(x, axis))
+
+
+def _logical_rows(x: torch.Tensor, axis: int) -> int:
+    """Rows of the stored layout that hold data (16x16 tiles pad the rest)."""
+    return math.prod(size for i, size in enumerate(x.shape) if i != axis)

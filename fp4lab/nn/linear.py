@@ -6,7 +6,8 @@
 
 Every operand is quantized from the high-precision tensor (quant.quantize_operand), never from
 another quantized copy: that is TE's rowwise / columnwise scheme, and with 16x16 RTNE weight
-tiles fprop's and dgrad's W hold exactly the same values (tested). A dithered weight is
+tiles fprop's and dgrad's W hold exactly the same values (tested); on the Triton backend dgrad
+then multiplies fprop's BlockValues transposed instead of quantizing W again. A dithered weight is
 dithered once per call and both GEMMs quantize the same dithered tensor. Master weights stay in
 their dtype (FP32); the GEMMs run in the compute dtype (bf16 under autocast, as nn.Linear);
 weight and bias gradients come back in the parameters' dtype through autograd's casts. For the
@@ -29,7 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..formats import FP4Tensor
+from .. import kernels
+from ..formats import FP4Tensor, Rounding
+from ..kernels import BlockValues
 from .quant import derive_seed, dither, quantize_operand, rotation_for, run_gemm
 from .recipe import GEMMS, Recipe
 
@@ -71,7 +74,19 @@ class _Call:
         rotation = rotation_for(spec, self.recipe.seed, derive_seed(self.root, GEMMS.index(gemm), ord("h")))
         stats_key = f"{self.name}.{gemm}.{side}"
         return quantize_operand(t, axis, getattr(spec, side), seed=self.seed(gemm, side), rotation=rotation,
-                                stats=self.stats, key=stats_key)
+                                stats=self.stats, key=stats_key, values=self.as_values(t, gemm))
+
+    def as_values(self, t: torch.Tensor, gemm: str) -> bool:
+        """Quantize straight to BlockValues: on the Triton backend, for a GEMM with two FP4 operands."""
+        spec = self.recipe.gemm(gemm)
+        return spec.a.quantized and spec.b.quantized and self.stats is None and kernels.uses_triton(t)
+
+    def dgrad_reuses_fprop_weight(self) -> bool:
+        """fprop's and dgrad's weight operands are the same 16x16 RTNE tiles of the same tensor, so
+        dgrad can multiply fprop's BlockValues transposed instead of quantizing W again."""
+        f, d = self.recipe.fprop, self.recipe.dgrad
+        return (f.b == d.b and f.b.block2d and f.b.rounding is Rounding.RTNE and not f.rotated and not d.rotated
+                and d.a.quantized)
 
 
 class _FP4LinearFn(torch.autograd.Function):
@@ -81,13 +96,17 @@ class _FP4LinearFn(torch.autograd.Function):
         fprop = call.recipe.fprop
         w_src = dither(weight, fprop.b, call.seed("fprop", "d")) if fprop.b.dither else weight
         # ---- fprop: y = x @ W^T, contraction over K
+        w_fprop = None
         if fprop.quantized or fprop.rotated:
-            y = run_gemm(call.operand(x, 1, "fprop", "a"), 1, call.operand(w_src, 1, "fprop", "b"), 1, x.dtype)
+            w_fprop = call.operand(w_src, 1, "fprop", "b")
+            y = run_gemm(call.operand(x, 1, "fprop", "a"), 1, w_fprop, 1, x.dtype)
             y = y if bias is None else y + bias
         else:
             y = F.linear(x, w_src, bias)
         ctx.save_for_backward(x, weight, w_src if w_src is not weight else None)
         ctx.call, ctx.has_bias = call, bias is not None
+        reuse = isinstance(w_fprop, BlockValues) and call.dgrad_reuses_fprop_weight()
+        ctx.w_values = w_fprop if reuse else None
         return y
 
     @staticmethod
@@ -100,7 +119,12 @@ class _FP4LinearFn(torch.autograd.Function):
         # ---- dgrad: dx = dy @ W, contraction over N
         if ctx.needs_input_grad[0]:
             if dgrad.quantized or dgrad.rotated:
-                dx = run_gemm(call.operand(dy, 1, "dgrad", "a"), 1, call.operand(w_src, 0, "dgrad", "b"), 0, dy.dtype)
+                w_op = ctx.w_values
+                if w_op is not None and call.as_values(dy, "dgrad"):
+                    w_op = w_op.transposed(weight.shape[1])
+                else:
+                    w_op = call.operand(w_src, 0, "dgrad", "b")
+                dx = run_gemm(call.operand(dy, 1, "dgrad", "a"), 1, w_op, 0, dy.dtype)
             else:
                 dx = dy.mm(weight)
         # ---- wgrad: dW = dy^T @ x, contraction over M (tokens)

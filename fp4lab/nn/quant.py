@@ -11,6 +11,9 @@ recipe.Operand field by field:
     quantize  fp4lab.kernels.quantize_nvfp4 / quantize_mxfp4 (Triton on CUDA, the reference
               otherwise), padded to the block size
 
+On the Triton backend, when both operands of a GEMM are FP4, the quantize writes BlockValues
+(exact bf16 code * block scale) instead of codes, and kernels.values_mm multiplies them.
+
 ``run_gemm`` multiplies the two: both FP4 -> kernels.fp4_mm (code * block scale in BF16, FP32
 accumulation, alpha once; on CPU formats.emulated_mm); both dense -> a plain matmul in their
 dtype (what nn.Linear does); mixed (one side kept BF16) -> the FP4 side dequantized, an FP32
@@ -32,6 +35,7 @@ from typing import NamedTuple
 import torch
 
 from .. import kernels
+from ..kernels import BlockValues
 from ..formats import FP4Tensor, hadamard_transform, quant_stats, random_bytes
 from ..formats.dequantize import block_scales
 from ..formats.hadamard import HadamardSigns
@@ -83,27 +87,31 @@ def dither(t: torch.Tensor, op: Operand, seed: int) -> torch.Tensor:
 
 
 def _quantize(t: torch.Tensor, axis: int, op: Operand, *, seed: int, rotation: Rotation | None,
-              rtne: bool = False) -> FP4Tensor:
+              rtne: bool = False, values: bool = False) -> FP4Tensor | BlockValues:
     rounding = "rtne" if rtne else op.rounding
     if op.format is Precision.NVFP4:
         extra = {} if rotation is None else {"hadamard": rotation.signs, "hadamard_seed": rotation.seed}
-        return kernels.quantize_nvfp4(t, axis=axis, block=(16, 16) if op.block2d else 16, rounding=rounding,
-                                      seed=seed, profile=op.profile, pad=True, **extra)
-    return kernels.quantize_mxfp4(t, axis=axis, mode=op.mx_mode, rounding=rounding, seed=seed, pad=True)
+        kwargs = dict(axis=axis, block=(16, 16) if op.block2d else 16, rounding=rounding, seed=seed,
+                      profile=op.profile, pad=True, **extra)
+        return kernels.quantize_values(t, "nvfp4", **kwargs) if values else kernels.quantize_nvfp4(t, **kwargs)
+    kwargs = dict(axis=axis, mode=op.mx_mode, rounding=rounding, seed=seed, pad=True)
+    return kernels.quantize_values(t, "mxfp4", **kwargs) if values else kernels.quantize_mxfp4(t, **kwargs)
 
 
 def quantize_operand(t: torch.Tensor, axis: int, op: Operand, *, seed: int, rotation: Rotation | None = None,
-                     stats: dict[str, dict[str, float]] | None = None,
-                     key: str = "") -> torch.Tensor | FP4Tensor:
+                     stats: dict[str, dict[str, float]] | None = None, key: str = "",
+                     values: bool = False) -> torch.Tensor | FP4Tensor | BlockValues:
     """t: [R, L] (axis 1) or [L, R] (axis 0) -> t rotated (if asked) and, unless op is BF16,
-    quantized along ``axis``. With ``stats``, records quant_stats of what was quantized at ``key``."""
+    quantized along ``axis``: an FP4Tensor, or with ``values`` its BlockValues written by the
+    quantize itself (the same operand, ready for BF16 tensor cores). With ``stats``, records
+    quant_stats of what was quantized at ``key`` (an FP4Tensor then)."""
     fused = (rotation is not None and op.format is Precision.NVFP4 and rotation.size == 16
              and stats is None and not op.dither)
     if rotation is not None and not fused:
         t = hadamard_transform(t, axis=axis, size=rotation.size, signs=rotation.signs, seed=rotation.seed)
     if not op.quantized:
         return t
-    q = _quantize(t, axis, op, seed=seed, rotation=rotation if fused else None)
+    q = _quantize(t, axis, op, seed=seed, rotation=rotation if fused else None, values=values and stats is None)
     if stats is not None:
         stats[key] = quant_stats(t, q)
     return q
@@ -118,7 +126,11 @@ def _dense(v: torch.Tensor | FP4Tensor, axis: int) -> torch.Tensor:
 
 def run_gemm(a: torch.Tensor | FP4Tensor, a_axis: int, b: torch.Tensor | FP4Tensor, b_axis: int,
              out_dtype: torch.dtype) -> torch.Tensor:
-    """C = A @ B^T: [rows_a, rows_b] ``out_dtype`` from operands as quantize_operand returns them."""
+    """C = A @ B^T: [rows_a, rows_b] ``out_dtype`` from operands as quantize_operand returns them
+    (BlockValues come in pairs)."""
+    if isinstance(a, BlockValues) and isinstance(b, BlockValues):
+        out = kernels.values_mm(a, b, out_dtype=torch.float32 if out_dtype == torch.float16 else out_dtype)
+        return out.to(out_dtype)
     if isinstance(a, FP4Tensor) and isinstance(b, FP4Tensor):
         out = kernels.fp4_mm(a, b, out_dtype=torch.float32 if out_dtype == torch.float16 else out_dtype)
         return out.to(out_dtype)

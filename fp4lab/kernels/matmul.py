@@ -1,0 +1,163 @@
+"""Scaled BF16 GEMMs on tensor cores with alpha in the epilogue: dense and grouped (MoE).
+
+An emulated FP4 GEMM multiplies *block values* (code * block scale, exact in BF16) and applies
+alpha = S_dec_A * S_dec_B once to the FP32 accumulator. cuBLAS can do the product but not a
+device-resident alpha, which costs two extra passes over an FP32 output (write, scale, cast);
+this kernel does all of it in one: C = round_bf16(alpha * (A @ B^T)) with FP32 accumulation.
+
+    scaled_mm(a, b, alpha)                    a: [M, K], b: [N, K] (any strides) -> [M, N]
+    grouped_scaled_mm(a, b, sizes, alpha)     a: [S, K] rows of G groups, back to back (sizes[g]
+                                              rows each), b: [G, N, K] -> [S, N]; group g's rows
+                                              times b[g]^T, scaled by alpha[g] (one launch)
+
+The grouped launch walks a tile list made on the host from ``sizes`` (a list of ints: the caller
+already has them, so there is no device sync): tile t covers rows tile_row[t] ..  + BM of group
+tile_group[t], masked at the group's end. Groups of 0 rows cost nothing.
+
+Under TRITON_INTERPRET=1 the dot multiplies exact fp32 copies (the interpreter's bf16 dot
+multiplies raw bit patterns); the result is the same function up to fp32 summation order.
+
+Public: ``scaled_mm``, ``grouped_scaled_mm``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from .elements import to_bf16_rtne, widen
+
+# tiles for H100/H200 (benchmarks/NOTES.md): 128 x 256 x 64, 8 warps, 3 stages
+_BM, _BN, _BK, _WARPS, _STAGES = 128, 256, 64, 8, 3
+
+
+@triton.jit
+def _scaled_mm_kernel(a_ptr, b_ptr, c_ptr, alpha_ptr, tile_group_ptr, tile_row_ptr, group_end_ptr,
+                      M, N, K, s_am, s_ak, s_bg, s_bn, s_bk, s_cm, s_cn, s_alpha,
+                      GROUPED: tl.constexpr, BF16_OUT: tl.constexpr, EVEN_K: tl.constexpr,
+                      DOT_F32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                      GROUP_M: tl.constexpr):
+    pid = tl.program_id(0)
+    tiles_n = tl.cdiv(N, BN)
+    if GROUPED:
+        t, pid_n = pid // tiles_n, pid % tiles_n
+        g = tl.load(tile_group_ptr + t)
+        row_end = tl.load(group_end_ptr + g)
+        rm = tl.load(tile_row_ptr + t) + tl.arange(0, BM)
+        b_ptr += g.to(tl.int64) * s_bg
+    else:  # GROUP_M row tiles share each column tile while it sits in L2
+        g = 0
+        row_end = M
+        tiles_m = tl.cdiv(M, BM)
+        first_m = (pid // (GROUP_M * tiles_n)) * GROUP_M
+        size_m = tl.minimum(tiles_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % (GROUP_M * tiles_n)) % size_m
+        pid_n = (pid % (GROUP_M * tiles_n)) // size_m
+        rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    # rows and columns past the end read a valid one (clamped) and are never stored: no load masks
+    rm_in = tl.minimum(rm, row_end - 1).to(tl.int64)
+    rn_in = tl.minimum(rn, N - 1).to(tl.int64)
+    rk = tl.arange(0, BK)
+    a_tile = a_ptr + rm_in[:, None] * s_am + rk[None, :] * s_ak
+    b_tile = b_ptr + rn_in[None, :] * s_bn + rk[:, None] * s_bk
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        if EVEN_K:
+            a, b = tl.load(a_tile), tl.load(b_tile)
+        else:
+            a = tl.load(a_tile, mask=(k0 + rk)[None, :] < K, other=0.0)
+            b = tl.load(b_tile, mask=(k0 + rk)[:, None] < K, other=0.0)
+        if DOT_F32:
+            a = widen(a.to(tl.int16, bitcast=True), True)
+            b = widen(b.to(tl.int16, bitcast=True), True)
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+        a_tile += BK * s_ak
+        b_tile += BK * s_bk
+    acc = acc * tl.load(alpha_ptr + g * s_alpha)
+    c = c_ptr + rm.to(tl.int64)[:, None] * s_cm + rn.to(tl.int64)[None, :] * s_cn
+    live = (rm[:, None] < row_end) & (rn[None, :] < N)
+    if BF16_OUT:
+        tl.store(c, to_bf16_rtne(acc), mask=live)
+    else:
+        tl.store(c, acc, mask=live)
+
+
+def _check(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, alpha: torch.Tensor) -> None:
+    if a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16:
+        raise TypeError(f"scaled_mm takes bfloat16 operands, got {a.dtype} and {b.dtype}")
+    if out_dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"scaled_mm writes float32 or bfloat16, got {out_dtype}")
+    if a.shape[-1] != b.shape[-1]:
+        raise ValueError(f"K mismatch: a is {tuple(a.shape)}, b is {tuple(b.shape)}")
+    if alpha.dtype != torch.float32 or alpha.device != a.device:
+        raise TypeError(f"alpha must be a float32 tensor on {a.device}, got {alpha.dtype} on {alpha.device}")
+
+
+def _launch(a, b, out, alpha, grid, tiles, m, n, k, s_bg, s_alpha, grouped):
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    bm, bn, bk = (32, 32, 32) if interpreted else (_BM, _BN, _BK)
+    if tiles is None:
+        tiles = (a, a, a)  # unused pointers
+    _scaled_mm_kernel[grid(bm, bn)](a, b, out, alpha, *tiles, m, n, k, a.stride(0), a.stride(1), s_bg,
+                                    b.stride(-2), b.stride(-1), out.stride(0), out.stride(1), s_alpha,
+                                    GROUPED=grouped, BF16_OUT=out.dtype == torch.bfloat16, EVEN_K=k % bk == 0,
+                                    DOT_F32=interpreted, BM=bm, BN=bn, BK=bk, GROUP_M=8,
+                                    num_warps=_WARPS, num_stages=_STAGES)
+
+
+def scaled_mm(a: torch.Tensor, b: torch.Tensor, alpha: torch.Tensor, *,
+              out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """a: [M, K] bf16, b: [N, K] bf16 (any strides), alpha: [] fp32 -> alpha * (a @ b^T): [M, N]."""
+    _check(a, b, out_dtype, alpha)
+    if a.dim() != 2 or b.dim() != 2:
+        raise ValueError(f"scaled_mm takes 2D operands, got {tuple(a.shape)} and {tuple(b.shape)}")
+    (m, k), n = a.shape, b.shape[0]
+    out = torch.empty(m, n, dtype=out_dtype, device=a.device)
+    if out.numel() == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    alpha = alpha.reshape(1)
+    _launch(a, b, out, alpha, lambda bm, bn: (triton.cdiv(m, bm) * triton.cdiv(n, bn),), None, m, n, k, 0, 0, False)
+    return out
+
+
+def grouped_scaled_mm(a: torch.Tensor, b: torch.Tensor, sizes: Sequence[int], alpha: torch.Tensor, *,
+                      out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """a: [S, K] bf16 (groups' rows back to back), b: [G, N, K] bf16, sizes: G ints summing to S,
+    alpha: [G] (or []) fp32 -> [S, N]: rows of group g are alpha[g] * (a_g @ b[g]^T)."""
+    _check(a, b, out_dtype, alpha)
+    sizes = [int(s) for s in sizes]
+    if a.dim() != 2 or b.dim() != 3 or len(sizes) != b.shape[0] or sum(sizes) != a.shape[0] or min(sizes, default=0) < 0:
+        raise ValueError(f"grouped_scaled_mm: a {tuple(a.shape)}, b {tuple(b.shape)} and sizes {sizes} do not "
+                         "match (a: [S, K], b: [G, N, K], G sizes >= 0 summing to S)")
+    if alpha.numel() not in (1, len(sizes)):
+        raise ValueError(f"alpha must hold 1 or {len(sizes)} values, got {alpha.numel()}")
+    (s, k), n = a.shape, b.shape[1]
+    out = torch.empty(s, n, dtype=out_dtype, device=a.device)
+    if out.numel() == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    bm = 32 if interpreted else _BM
+    tile_group, tile_row, ends, start = [], [], [], 0
+    for g, size in enumerate(sizes):
+        rows = range(start, start + size, bm)
+        tile_group += [g] * len(rows)
+        tile_row += list(rows)
+        start += size
+        ends.append(start)
+    tiles = torch.tensor([tile_group, tile_row], dtype=torch.int32).to(a.device, non_blocking=True)
+    group_end = torch.tensor(ends, dtype=torch.int32).to(a.device, non_blocking=True)
+    s_alpha = 1 if alpha.numel() > 1 else 0
+    _launch(a, b, out, alpha.reshape(-1), lambda _bm, bn: (len(tile_group) * triton.cdiv(n, bn),),
+            (tiles[0], tiles[1], group_end), s, n, k, b.stride(0), s_alpha, True)
+    return out

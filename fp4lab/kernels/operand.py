@@ -1,0 +1,61 @@
+"""BlockValues: an FP4 GEMM operand decoded for Hopper's BF16 tensor cores.
+
+An emulated FP4 GEMM multiplies code * block scale, which is exact in BF16 (a 2-bit by 4-bit
+significand, or code * 2^e for MXFP4), and applies the tensor scales' product once at the end
+(formats.gemm.emulated_mm). When an operand is quantized only to be multiplied, writing those
+values straight from the quantize pass (kernels.quantize.nvfp4_block_values) saves writing the
+packed codes and reading them back.
+
+    values        [R, Lp] bf16, the stored layout of the quantized tensor (block axis last;
+                  R counts 16x16 padding rows too)
+    tensor_scale  [] fp32 S_dec (NVFP4), None (MXFP4)
+    rows          how many of the R rows hold data
+
+Public: ``BlockValues``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+from .. import formats
+from ..formats.types import FP4Tensor
+
+
+class BlockValues(NamedTuple):
+    values: torch.Tensor
+    tensor_scale: torch.Tensor | None
+    rows: int
+
+    @classmethod
+    def of(cls, q: FP4Tensor) -> "BlockValues":
+        """The block values of a quantized tensor (the reference's decode)."""
+        values = formats.block_values(q).to(torch.bfloat16)
+        rows = math.prod(size for i, size in enumerate(q.shape) if i != q.axis)
+        return cls(values.reshape(-1, q.padded_len), q.tensor_scale, rows)
+
+    @property
+    def matrix(self) -> torch.Tensor:
+        """[rows, Lp] bf16: the data rows."""
+        return self.values[: self.rows]
+
+    def dense(self) -> torch.Tensor:
+        """[rows, Lp] fp32: the dequantized tensor in the stored layout (padding columns are 0)."""
+        values = self.matrix.to(torch.float32)
+        return values if self.tensor_scale is None else values * self.tensor_scale
+
+    def transposed(self, rows: int) -> "BlockValues":
+        """The same values with rows and columns swapped, ``rows`` of them holding data: a 16x16-
+        tiled tensor read along its other axis has the same tiles and tensor scale, so these are
+        exactly its block values (what quantizing along the other axis would give)."""
+        return BlockValues(self.values.T, self.tensor_scale, rows)
+
+
+def alpha(a: BlockValues, b: BlockValues) -> torch.Tensor:
+    """[] fp32 S_dec_A * S_dec_B, 1 for MXFP4 (formats.gemm.gemm_alpha)."""
+    if a.tensor_scale is None or b.tensor_scale is None:
+        return torch.ones((), dtype=torch.float32, device=a.values.device)
+    return a.tensor_scale * b.tensor_scale
