@@ -60,9 +60,9 @@ def gemm_alpha(qa: FP4Tensor, qb: FP4Tensor) -> torch.Tensor:
 def scaled_mm(qa: FP4Tensor, qb: FP4Tensor, *, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """qa: A [M, K], qb: B [N, K], both quantized along K -> C = A @ B^T: [M, N] ``out_dtype``."""
     m, n = _check_pair(qa, qb)
-    bl = qa.block_len
-    a = decode_e2m1(unpack_nibbles(qa.codes[:m])).reshape(m, -1, bl)  # [M, nb, bl]
-    b = decode_e2m1(unpack_nibbles(qb.codes[:n])).reshape(n, -1, bl)  # [N, nb, bl]
+    bl, nb = qa.block_len, qa.padded_len // qa.block_len
+    a = decode_e2m1(unpack_nibbles(qa.codes[:m])).reshape(m, nb, bl)
+    b = decode_e2m1(unpack_nibbles(qb.codes[:n])).reshape(n, nb, bl)
     sa, sb = block_scales(qa)[:m], block_scales(qb)[:n]  # [M, nb], [N, nb]
     acc = torch.zeros(m, n, dtype=torch.float32, device=a.device)
     for j in range(a.shape[1]):

@@ -14,7 +14,7 @@ from tests.formats.test_gemm import _summation_bound, uniform_operand  # noqa: E
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-METHODS = ["fused", "two_stage"]
+METHODS = ["fused", "two_stage", "decoded"]
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -57,3 +57,24 @@ def test_operand_checks():
     a = formats.quantize_nvfp4(torch.randn(4, 32))
     with pytest.raises(ValueError, match="K mismatch"):
         fp4_mm(a, formats.quantize_nvfp4(torch.randn(4, 64)))
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_grouped_fp4_mm_is_one_fp4_mm_per_group(fmt):
+    """Groups of 5, 0 and 37 rows (one empty), each with its own tensor scales, in one launch."""
+    from fp4lab.kernels.gemm import grouped_fp4_mm
+    g = torch.Generator().manual_seed(3)
+    q = (lambda t, **kw: formats.quantize_mxfp4(t, pad=True)) if fmt == "mxfp4" else \
+        (lambda t, **kw: formats.quantize_nvfp4(t, pad=True, **kw))
+    qa = [q(torch.randn(m, 64, generator=g) * 4.0**e) for e, m in enumerate((5, 0, 37))]
+    qb = [q(torch.randn(24, 64, generator=g) * 2.0**-e, block=(16, 16)) for e in range(3)]
+    out = grouped_fp4_mm([a.to(DEVICE) for a in qa], [b.to(DEVICE) for b in qb], out_dtype=torch.float32).cpu()
+    assert out.shape == (42, 24)
+    start = 0
+    for a, b in zip(qa, qb):
+        m = a.shape[0]
+        ref = formats.scaled_mm(a, b)
+        assert bool(((out[start:start + m].double() - ref.double()).abs() <= _summation_bound(a, b) + 1e-30).all())
+        start += m
+    with pytest.raises(ValueError, match="as many"):
+        grouped_fp4_mm(qa, qb[:2])

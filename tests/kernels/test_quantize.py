@@ -82,6 +82,35 @@ def test_ragged_shapes_with_padding(lead, length, seed, fmt, sr):
         kw["block"] = (16, 16) if fmt == "nvfp4-2d" else 16
         fast, ref = kernels.quantize_nvfp4(x.to(DEVICE), backend="triton", **kw), formats.quantize_nvfp4(x, **kw)
     assert_same(fast, ref)
+    if x.dim() == 2 and x.numel():  # the same quantize written as block values
+        assert_same_values(kernels.quantize_values(x.to(DEVICE), "mxfp4" if fmt == "mxfp4" else "nvfp4",
+                                                   backend="triton", **kw), kernels.BlockValues.of(ref))
+
+
+def assert_same_values(fast, ref):
+    """BlockValues: the same bf16 bits (NaN blocks as NaN), rows and tensor scale."""
+    assert fast.values.shape == ref.values.shape and fast.rows == ref.rows
+    f, r = fast.values.cpu().float(), ref.values.float()
+    assert torch.equal(f.isnan(), r.isnan()) and torch.equal(f.nan_to_num(0.5), r.nan_to_num(0.5))
+    assert (fast.tensor_scale is None) == (ref.tensor_scale is None)
+    if ref.tensor_scale is not None:
+        assert fast.tensor_scale.item() == ref.tensor_scale.item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kwargs", NVFP4_CASES + [dict(block=(16, 16), axis=0, pad=True)], ids=str)
+def test_block_values_in_the_quantize_pass_match_reference(kwargs, dtype):
+    x = hard_input((96, 160), 6, dtype)
+    assert_same_values(kernels.quantize_values(x.to(DEVICE), "nvfp4", backend="triton", **kwargs),
+                       kernels.BlockValues.of(formats.quantize_nvfp4(x, **kwargs)))
+
+
+@pytest.mark.parametrize("mode", ["floor", "rceil"])
+@pytest.mark.parametrize("kwargs", [dict(), dict(axis=0, rounding="stochastic", seed=5)], ids=str)
+def test_mxfp4_block_values_match_reference(mode, kwargs):
+    x = hard_input((64, 96), 7, torch.bfloat16)
+    assert_same_values(kernels.quantize_values(x.to(DEVICE), "mxfp4", mode=mode, backend="triton", **kwargs),
+                       kernels.BlockValues.of(formats.quantize_mxfp4(x, mode=mode, **kwargs)))
 
 
 def test_nd_axis_and_non_contiguous_input():

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from fp4lab import formats
+from fp4lab.kernels import BlockValues
 from fp4lab.nn import linear as L
 from fp4lab.nn.linear import FP4Linear, QuantContext, fp4_linear
 from fp4lab.nn.quant import derive_seed, rotation_for
@@ -41,8 +42,8 @@ class _Recorder:
         self.seen = {}
         real = L.quantize_operand
 
-        def spy(t, axis, op, *, seed, rotation=None, stats=None, key=""):
-            out = real(t, axis, op, seed=seed, rotation=rotation, stats=stats, key=key)
+        def spy(t, axis, op, *, seed, rotation=None, stats=None, key="", **kwargs):
+            out = real(t, axis, op, seed=seed, rotation=rotation, stats=stats, key=key, **kwargs)
             gemm, side = key.split(".")[-2:]
             self.seen[gemm, side] = (t, axis, out)
             return out
@@ -197,7 +198,43 @@ def test_triton_path_gives_the_reference_bytes(monkeypatch):
         monkeypatch.setenv("FP4LAB_BACKEND", backend)
         rec = _Recorder(monkeypatch)
         wp = w.clone().requires_grad_()
-        fp4_linear(x, wp, None, nvfp4(), name="l", context=QuantContext(tick=1)).backward(dy)
-        seen[backend] = rec.seen
+        fp4_linear(x.clone().requires_grad_(), wp, None, nvfp4(), name="l", context=QuantContext(tick=1)).backward(dy)
+        seen[backend] = dict(rec.seen)
+        monkeypatch.undo()  # one spy at a time
+    # on Triton the operands arrive as BlockValues, and dgrad multiplies fprop's weight values transposed
+    assert set(seen["reference"]) - set(seen["triton"]) == {("dgrad", "b")}
     for key, (_, _, q) in seen["reference"].items():
-        _same(seen["triton"][key][2], q)
+        fast = seen["triton"][key][2] if key != ("dgrad", "b") else seen["triton"]["fprop", "b"][2].transposed(32)
+        want = BlockValues.of(q)
+        assert torch.equal(fast.matrix.cpu(), want.matrix) and torch.equal(fast.tensor_scale.cpu(), want.tensor_scale)
+
+
+@pytest.mark.parametrize("name", ["nvfp4", "mxfp4", "nvfp4_dither"])
+def test_triton_path_multiplies_the_same_operands(name, monkeypatch):
+    """On the Triton backend (the interpreter here) GEMMs with two FP4 operands quantize straight
+    to BlockValues and dgrad reuses fprop's 16x16 weight values: the same function as the
+    reference path up to fp32 summation order (at most one bf16 rounding step apart)."""
+    pytest.importorskip("triton")  # without CUDA, tests/conftest.py set TRITON_INTERPRET=1
+    recipe = nvfp4().override({"fprop.b.dither": 0.5, "dgrad.b.dither": 0.5}) if name == "nvfp4_dither" else preset(name)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    results = {}
+    for backend in ("reference", "triton"):
+        monkeypatch.setenv("FP4LAB_BACKEND", backend)
+        rec = _Recorder(monkeypatch)
+        torch.manual_seed(0)
+        x = torch.randn(40, 64, dtype=torch.bfloat16, device=device, requires_grad=True)
+        w = (torch.randn(48, 64, device=device) * 0.05).requires_grad_()
+        dy = torch.randn(40, 48, dtype=torch.bfloat16, device=device)
+        with torch.autocast(device, dtype=torch.bfloat16):
+            y = fp4_linear(x, w, None, recipe, name="l", context=QuantContext(tick=3))
+        y.backward(dy)
+        results[backend] = [t.detach().float().cpu() for t in (y, x.grad, w.grad)]
+        kinds = {key: type(out).__name__ for key, (_, _, out) in rec.seen.items()}
+        if backend == "triton":
+            assert set(kinds.values()) == {"BlockValues"}
+            reused = name.startswith("nvfp4")  # NVIDIA's recipe: 16x16 RTNE weights in fprop and dgrad
+            assert (("dgrad", "b") not in kinds) == reused
+        else:
+            assert set(kinds.values()) == {"FP4Tensor"}
+    for fast, ref in zip(results["triton"], results["reference"]):
+        torch.testing.assert_close(fast, ref, rtol=2**-7, atol=1e-6)

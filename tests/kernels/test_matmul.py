@@ -1,0 +1,85 @@
+"""kernels.matmul: alpha * (A @ B^T) with FP32 accumulation, dense and grouped, against float64."""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from fp4lab.kernels.matmul import grouped_scaled_mm, scaled_mm  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _bound(a, b, alpha):
+    """fp32 summation of K products (exact in fp32: bf16 x bf16), then one alpha multiply."""
+    k = a.shape[-1]
+    return (2 * k * 2**-24 + 2**-23) * (a.double().abs() @ b.double().abs().T) * abs(float(alpha)) + 1e-30
+
+
+def _operands(m, n, k, seed):
+    g = torch.Generator().manual_seed(seed)
+    a = (torch.randn(m, k, generator=g) * torch.exp(torch.randn(m, 1, generator=g))).bfloat16()
+    return a, torch.randn(n, k, generator=g).bfloat16()
+
+
+@pytest.mark.parametrize("m,n,k", [(64, 64, 64), (70, 50, 96), (1, 300, 40), (33, 17, 200)])
+def test_dense_matches_float64_to_summation_order(m, n, k):
+    a, b = _operands(m, n, k, m + n + k)
+    alpha = torch.tensor(0.37)
+    out = scaled_mm(a.to(DEVICE), b.to(DEVICE), alpha.to(DEVICE), out_dtype=torch.float32).cpu()
+    ref = (a.double() @ b.double().T) * 0.37
+    assert out.shape == (m, n) and bool(((out.double() - ref).abs() <= _bound(a, b, 0.37)).all())
+    # the bf16 output is the fp32 result rounded to nearest even, in the same kernel
+    bf16 = scaled_mm(a.to(DEVICE), b.to(DEVICE), alpha.to(DEVICE)).cpu()
+    assert bf16.dtype == torch.bfloat16 and torch.equal(bf16, out.bfloat16())
+
+
+def test_strided_operands_give_the_same_result():
+    a, b = _operands(48, 40, 64, 1)
+    alpha = torch.tensor(1.0, device=DEVICE)
+    want = scaled_mm(a.to(DEVICE), b.to(DEVICE), alpha, out_dtype=torch.float32)
+    a_t, b_t = a.T.contiguous().to(DEVICE), b.T.contiguous().to(DEVICE)  # column-major views below
+    assert torch.equal(scaled_mm(a_t.T, b_t.T, alpha, out_dtype=torch.float32), want)
+
+
+def test_nan_and_inf_propagate():
+    a, b = _operands(32, 32, 64, 2)
+    a[3, 5] = float("nan")
+    b[7, 9] = float("inf")
+    out = scaled_mm(a.to(DEVICE), b.to(DEVICE), torch.tensor(1.0, device=DEVICE), out_dtype=torch.float32).cpu()
+    ref = a.float() @ b.float().T
+    assert torch.equal(out.isnan(), ref.isnan()) and torch.equal(out.isinf(), ref.isinf())
+
+
+@pytest.mark.parametrize("sizes", [[10, 0, 45, 15], [0, 0, 3], [64]])
+def test_grouped_is_one_scaled_mm_per_group(sizes):
+    s, n, k = sum(sizes), 50, 96
+    a, _ = _operands(s, n, k, sum(sizes))
+    g = torch.Generator().manual_seed(5)
+    b = torch.randn(len(sizes), n, k, generator=g).bfloat16()
+    alpha = torch.rand(len(sizes), generator=g) + 0.5
+    out = grouped_scaled_mm(a.to(DEVICE), b.to(DEVICE), sizes, alpha.to(DEVICE), out_dtype=torch.float32).cpu()
+    assert out.shape == (s, n)
+    start = 0
+    for e, size in enumerate(sizes):
+        rows = slice(start, start + size)
+        ref = (a[rows].double() @ b[e].double().T) * float(alpha[e])
+        assert bool(((out[rows].double() - ref).abs() <= _bound(a[rows], b[e], alpha[e])).all())
+        start += size
+    one = grouped_scaled_mm(a.to(DEVICE), b.to(DEVICE), sizes, torch.tensor(2.0, device=DEVICE)).cpu()
+    assert one.shape == (s, n)  # a single alpha for every group
+
+
+def test_bad_arguments_are_refused():
+    a, b = _operands(8, 8, 32, 3)
+    one = torch.tensor(1.0)
+    with pytest.raises(TypeError, match="bfloat16 operands"):
+        scaled_mm(a.float(), b, one)
+    with pytest.raises(ValueError, match="K mismatch"):
+        scaled_mm(a, b[:, :16], one)
+    with pytest.raises(TypeError, match="float32 tensor"):
+        scaled_mm(a, b, one.double())
+    with pytest.raises(ValueError, match="do not match"):
+        grouped_scaled_mm(a, b[None], [3, 4], one)
+    with pytest.raises(ValueError, match="alpha must hold"):
+        grouped_scaled_mm(a, b[None].expand(2, 8, 32), [4, 4], torch.ones(3))
