@@ -2,11 +2,19 @@
 
     python benchmarks/bench_gemm.py
 
-For each shape (M, N, K): cuBLAS BF16 (torch.matmul), fp4lab's fused kernel (packed codes and
-scales decoded in registers, kernels/gemm.py), and the two-stage path (Triton decodes both
-operands to exact BF16, cuBLAS multiplies with FP32 output, alpha after). TFLOP/s count 2 M N K. A tile sweep at 8192^3 comes first, and a
-correctness check against formats.scaled_mm's summation bound at 2048^3. Writes
-benchmarks/results/gemm.json and the gemm_* keys of latest.json (gemm_fp4_over_bf16: the faster method, what fp4_mm runs).
+For each shape (M, N, K), TFLOP/s counting 2 M N K: cuBLAS BF16 (torch.matmul) and fp4_mm's
+methods (kernels/gemm.py) from packed NVFP4 operands (activations 1x16, weights 16x16):
+    decoded    Triton decodes both operands to exact BF16 block values, kernels.matmul.scaled_mm
+               multiplies with alpha and the bf16 cast in its epilogue (what fp4_mm runs on CUDA)
+    two_stage  the same decode, cuBLAS with FP32 output, then alpha and the cast as two passes
+    fused      decode in the GEMM's main loop (8192^3 only: it is far behind)
+    values     scaled_mm alone on already-decoded operands (what a layer that quantizes straight
+               to BlockValues pays for its GEMM)
+First a tile sweep of scaled_mm at 8192^3 and a correctness check against formats.scaled_mm's
+summation bound at 2048^3; last, the grouped (MoE) GEMM: one launch for E experts with uneven
+rows against a loop of per-expert fp4_mm calls and against BF16 (a cuBLAS loop, and
+torch._grouped_mm where this torch has it). Writes benchmarks/results/gemm.json and the gemm_*
+keys of latest.json (gemm_fp4_over_bf16: fp4_mm's default method at 8192^3).
 """
 
 from __future__ import annotations
@@ -18,76 +26,115 @@ import torch
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import environment, graph_ms, save  # noqa: E402
+from benchmarks.common import bench_ms, environment, graph_ms, save  # noqa: E402
 from fp4lab import formats, kernels  # noqa: E402
-from fp4lab.kernels.gemm import _fp4_mm_kernel, fp4_mm  # noqa: E402
+from fp4lab.kernels.gemm import fp4_mm, grouped_fp4_mm  # noqa: E402
+from fp4lab.kernels.matmul import _scaled_mm_kernel, scaled_mm  # noqa: E402
 
 SHAPES = [(8192, 8192, 8192), (8192, 4096, 4096), (8192, 14336, 4096), (8192, 4096, 14336), (4096, 4096, 4096)]
-TILES = [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 128, 8, 3),
-         (128, 256, 128, 8, 2), (64, 256, 64, 4, 4)]
+TILES = [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (256, 128, 64, 8, 3), (128, 128, 64, 8, 4),
+         (128, 128, 64, 4, 4), (128, 128, 128, 8, 3), (64, 256, 64, 4, 4)]
+GROUPED = dict(experts=8, rows=16384, k=2048, n=2816)  # MoE expert GEMM: 8 experts, uneven token counts
 
 
 def operands(m: int, n: int, k: int):
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-    qa = kernels.quantize_nvfp4(x)
-    qb = kernels.quantize_nvfp4(w, block=(16, 16))
-    return x, w, qa, qb
+    return x, w, kernels.quantize_nvfp4(x), kernels.quantize_nvfp4(w, block=(16, 16))
 
 
-def sweep(qa, qb, m: int, n: int, k: int) -> dict:
+def sweep(m: int, n: int, k: int) -> dict:
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    alpha = torch.ones(1, device="cuda")
     out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
     results = {}
     for bm, bn, bk, warps, stages in TILES:
         def run():
-            _fp4_mm_kernel[(triton.cdiv(m, bm) * triton.cdiv(n, bn),)](
-                qa.codes, qa.scales.view(torch.uint8), qb.codes, qb.scales.view(torch.uint8), qa.tensor_scale,
-                qb.tensor_scale, out, m, n, k, BLOCK=16, NVFP4=True, BM=bm, BN=bn, BK=bk, GROUP_M=8,
-                DOT_F32=False, num_warps=warps, num_stages=stages)
+            _scaled_mm_kernel[(triton.cdiv(m, bm) * triton.cdiv(n, bn),)](
+                a, b, out, alpha, a, a, a, m, n, k, a.stride(0), a.stride(1), 0, b.stride(0), b.stride(1),
+                out.stride(0), out.stride(1), 0, GROUPED=False, BF16_OUT=True, EVEN_K=k % bk == 0, DOT_F32=False,
+                BM=bm, BN=bn, BK=bk, GROUP_M=8, num_warps=warps, num_stages=stages)
+        name = f"{bm}x{bn}x{bk}_w{warps}_s{stages}"
         try:
-            ms = graph_ms(run)
+            results[name] = 2 * m * n * k / graph_ms(run) / 1e9
         except Exception as exc:  # e.g. out of shared memory for this tile
-            print(f"tile {bm}x{bn}x{bk} w{warps} s{stages}: {type(exc).__name__}")
+            print(f"tile {name}: {type(exc).__name__}")
             continue
-        results[f"{bm}x{bn}x{bk}_w{warps}_s{stages}"] = 2 * m * n * k / ms / 1e9
-        print(f"tile {bm}x{bn}x{bk} w{warps} s{stages}: {results[f'{bm}x{bn}x{bk}_w{warps}_s{stages}']:.0f} TFLOP/s")
+        print(f"tile {name}: {results[name]:.0f} TFLOP/s", flush=True)
     return results
 
 
 def check(m: int = 2048) -> float:
-    """Largest |fused - scaled_mm| over the summation bound, at m^3 (must be <= 1)."""
+    """Largest |fp4_mm - scaled_mm| over the summation bound at m^3, every method (must be <= 1)."""
     _, _, qa, qb = operands(m, m, m)
     ref = formats.scaled_mm(qa, qb).double()
     a, b = formats.dequantize(qa).double().abs(), formats.dequantize(qb).double().abs()
     bound = 2 * m * 2**-24 * (a @ b.T) + 1e-30
     return max(float(((fp4_mm(qa, qb, method=method).double() - ref).abs() / bound).max())
-               for method in ("fused", "two_stage"))
+               for method in ("fused", "two_stage", "decoded"))
+
+
+def grouped(experts: int, rows: int, k: int, n: int) -> dict:
+    weights = torch.rand(experts, generator=torch.Generator().manual_seed(0)) + 0.3
+    sizes = (weights / weights.sum() * rows).long()
+    sizes[-1] += rows - sizes.sum()
+    sizes = sizes.tolist()
+    xs = [torch.randn(s, k, device="cuda", dtype=torch.bfloat16) for s in sizes]
+    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in sizes]
+    qa, qb = [kernels.quantize_nvfp4(x) for x in xs], [kernels.quantize_nvfp4(w, block=(16, 16)) for w in ws]
+    x_all, w_all = torch.cat(xs), torch.stack(ws)
+    flops = 2 * rows * n * k
+    times = {"bf16_loop": bench_ms(lambda: [x @ w.T for x, w in zip(xs, ws)]),
+             "fp4_loop": bench_ms(lambda: [fp4_mm(a, b, out_dtype=torch.bfloat16) for a, b in zip(qa, qb)]),
+             "fp4_grouped": bench_ms(lambda: grouped_fp4_mm(qa, qb))}
+    if hasattr(torch, "_grouped_mm"):
+        offs = torch.tensor(sizes, device="cuda").cumsum(0).to(torch.int32)
+        times["bf16_grouped_mm"] = bench_ms(lambda: torch._grouped_mm(x_all, w_all.transpose(1, 2), offs=offs))
+    best_bf16 = min(v for key, v in times.items() if key.startswith("bf16"))
+    result = {"sizes": sizes, "k": k, "n": n, **{f"{key}_tflops": flops / v / 1e9 for key, v in times.items()},
+              "grouped_over_fp4_loop": times["fp4_loop"] / times["fp4_grouped"],
+              "grouped_over_best_bf16": best_bf16 / times["fp4_grouped"]}
+    for key, v in times.items():
+        print(f"grouped {experts} experts, {rows} rows, K={k} N={n}: {key:16s} {v:.3f} ms "
+              f"{flops / v / 1e9:5.0f} TFLOP/s")
+    return result
 
 
 def main() -> None:
     worst = check()
-    print(f"correctness at 2048^3: max |fused - scaled_mm| / bound = {worst:.3f}")
+    print(f"correctness at 2048^3: max |fp4_mm - scaled_mm| / bound = {worst:.3f}", flush=True)
+    tiles = sweep(8192, 8192, 8192)
     rows = {}
-    tiles = sweep(*operands(8192, 8192, 8192)[2:], 8192, 8192, 8192)
     for m, n, k in SHAPES:
         x, w, qa, qb = operands(m, n, k)
         flops = 2 * m * n * k
-        bf16 = graph_ms(lambda: x @ w.T)
-        fused = graph_ms(lambda: fp4_mm(qa, qb, out_dtype=torch.bfloat16, method="fused"))
-        two_stage = graph_ms(lambda: fp4_mm(qa, qb, out_dtype=torch.bfloat16, method="two_stage"))
-        rows[f"{m}x{n}x{k}"] = {"bf16_tflops": flops / bf16 / 1e9, "fp4_fused_tflops": flops / fused / 1e9,
-                                "fp4_two_stage_tflops": flops / two_stage / 1e9,
-                                "fused_over_bf16": bf16 / fused, "two_stage_over_bf16": bf16 / two_stage}
-    payload = {**environment(), "check_max_over_bound": worst, "tile_sweep_8192_tflops": tiles, "shapes": rows}
+        a_vals = kernels.quantize_values(x)
+        b_vals = kernels.quantize_values(w, block=(16, 16))
+        times = {"bf16": graph_ms(lambda: x @ w.T),
+                 "decoded": graph_ms(lambda: fp4_mm(qa, qb, out_dtype=torch.bfloat16, method="decoded")),
+                 "two_stage": graph_ms(lambda: fp4_mm(qa, qb, out_dtype=torch.bfloat16, method="two_stage")),
+                 "values": graph_ms(lambda: kernels.values_mm(a_vals, b_vals, out_dtype=torch.bfloat16))}
+        if (m, n, k) == SHAPES[0]:
+            times["fused"] = graph_ms(lambda: fp4_mm(qa, qb, out_dtype=torch.bfloat16, method="fused"))
+        rows[f"{m}x{n}x{k}"] = {**{f"{key}_tflops": flops / v / 1e9 for key, v in times.items()},
+                                **{f"{key}_over_bf16": times["bf16"] / v for key, v in times.items() if key != "bf16"}}
+    group = grouped(**GROUPED)
+    payload = {**environment(), "check_max_over_bound": worst, "tile_sweep_8192_tflops": tiles, "shapes": rows,
+               "grouped": group}
     print(f"{payload['device']}  torch {payload['torch']}  triton {payload['triton']}")
-    print(f"{'M x N x K':20s} {'bf16':>7s} {'fused':>7s} {'2-stage':>8s} {'fused/bf16':>10s} {'2-stage/bf16':>12s}")
+    print(f"{'M x N x K':18s} {'bf16':>6s} {'decoded':>8s} {'2-stage':>8s} {'values':>7s}   (TFLOP/s; ratios to bf16)")
     for shape, r in rows.items():
-        print(f"{shape:20s} {r['bf16_tflops']:7.0f} {r['fp4_fused_tflops']:7.0f} {r['fp4_two_stage_tflops']:8.0f} "
-              f"{r['fused_over_bf16']:10.2f} {r['two_stage_over_bf16']:12.2f}")
+        print(f"{shape:18s} {r['bf16_tflops']:6.0f} {r['decoded_tflops']:8.0f} {r['two_stage_tflops']:8.0f} "
+              f"{r['values_tflops']:7.0f}   {r['decoded_over_bf16']:.2f} {r['two_stage_over_bf16']:.2f} "
+              f"{r['values_over_bf16']:.2f}")
     big = rows["8192x8192x8192"]
-    print("saved", save("gemm", payload, {"gemm_fp4_over_bf16": max(big["fused_over_bf16"], big["two_stage_over_bf16"]),
+    print("saved", save("gemm", payload, {"gemm_fp4_over_bf16": big["decoded_over_bf16"],
+                                          "gemm_fp4_two_stage_over_bf16": big["two_stage_over_bf16"],
                                           "gemm_fp4_fused_over_bf16": big["fused_over_bf16"],
-                                          "gemm_fp4_two_stage_over_bf16": big["two_stage_over_bf16"]}))
+                                          "gemm_values_over_bf16": big["values_over_bf16"],
+                                          "gemm_grouped_over_fp4_loop": group["grouped_over_fp4_loop"],
+                                          "gemm_grouped_over_bf16": group["grouped_over_best_bf16"]}))
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@
 
 Bytes counted per element (bf16 input): NVFP4 2 read + 0.5 codes + 1/16 scales = 2.5625 (the
 amax pass reads the input once more, but the figure keeps the ideal single-pass byte count, so a
-ratio below 1 also shows what the extra pass costs); MXFP4 2 + 0.5 + 1/32. Every kernel is timed
+ratio below 1 also shows what the extra pass costs); MXFP4 2 + 0.5 + 1/32; the block-values cases
+(quantize written as exact bf16 code * block scale, what nn's GEMMs multiply) 2 + 2. Every kernel is timed
 side by side with a torch.compile'd build of the fp4lab.formats reference, "what a user would
 write", and a device copy. Each case is timed twice: replayed from a CUDA graph (device time,
 the figure the ratios use) and eagerly from Python (what launch overhead adds at this size). Writes benchmarks/results/quantize.json and the quant_* keys of
@@ -53,6 +54,11 @@ def main() -> None:
         "mxfp4_rceil_sr": (lambda: kernels.quantize_mxfp4(x, mode="rceil", rounding="stochastic", seed=1, **tri),
                            mx_bytes),
         "amax_pass": (lambda: finite_amax(x), n * 2),
+        # straight to bf16 block values (what nn's GEMMs multiply): 2 read + 2 written per element
+        "nvfp4_values": (lambda: kernels.quantize_values(x, global_amax=amax, **tri), n * 4),
+        "nvfp4_values_axis0": (lambda: kernels.quantize_values(x, axis=0, global_amax=amax, **tri), n * 4),
+        "nvfp4_values_rht_sr": (lambda: kernels.quantize_values(x, axis=0, hadamard="te", rounding="stochastic",
+                                                                 seed=1, global_amax=amax, **tri), n * 4),
     }
     q = kernels.quantize_nvfp4(x, **tri)
     cases["nvfp4_dequantize_bf16"] = (lambda: kernels.dequantize(q, torch.bfloat16, **tri), n * (0.5 + 1 / 16 + 2))

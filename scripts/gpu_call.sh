@@ -41,6 +41,11 @@ for phase in "$@"; do
              --set progress=false --out "results/gpt-d12/$recipe" | tail -1
          done
          python3 -m fp4lab report results/gpt-d12/bf16 results/gpt-d12/nvfp4 --out results/gpt-d12 --title "d12 GPT" ;;
+    kernel-tests) python3 -m pytest tests/kernels tests/nn -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest_kernels_nn_gpu.log" | tail -3 ;;
+    bench:*) name=${phase#bench:}  # benchmarks/bench_NAME.py; a "+" passes --compiled to bench_linear
+         flag=""; [ "$name" = "linear+" ] && { name=linear; flag=--compiled; }
+         [ "$(left)" -gt 30 ] || { echo "skipped: out of time"; continue; }
+         timeout "$(left)" python3 "benchmarks/bench_$name.py" $flag 2>&1 | tee "$OUT/bench_${name}.log" | tail -25 ;;
     report) for dir in results/*/; do
               name=$(basename "$dir")
               ls "$dir" | grep -q -- "-seed" && python3 -m fp4lab study "$name" --report-only --out "$dir" 2>&1 \
@@ -49,5 +54,5 @@ for phase in "$@"; do
     *) echo "unknown phase $phase" ;;
   esac
 done
-tar czf "$OUT/results.tgz" --exclude=checkpoint results
+tar czf "$OUT/results.tgz" --exclude=checkpoint results benchmarks/results
 ls -la "$OUT"
