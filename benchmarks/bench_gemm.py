@@ -10,7 +10,7 @@ methods (kernels/gemm.py) from packed NVFP4 operands (activations 1x16, weights 
     fused      decode in the GEMM's main loop (8192^3 only: it is far behind)
     values     scaled_mm alone on already-decoded operands (what a layer that quantizes straight
                to BlockValues pays for its GEMM)
-First a tile sweep of scaled_mm at 8192^3 and a correctness check against formats.scaled_mm's
+First a tile sweep of scaled_mm at 8192^3 (TMA and pointer loaders) and a correctness check against formats.scaled_mm's
 summation bound at 2048^3; last, the grouped (MoE) GEMM: one launch for E experts with uneven
 rows against a loop of per-expert fp4_mm calls and against BF16 (a cuBLAS loop, and
 torch._grouped_mm where this torch has it). Writes benchmarks/results/gemm.json and the gemm_*
@@ -23,17 +23,17 @@ import sys
 from pathlib import Path
 
 import torch
-import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import bench_ms, environment, graph_ms, save  # noqa: E402
 from fp4lab import formats, kernels  # noqa: E402
 from fp4lab.kernels.gemm import fp4_mm, grouped_fp4_mm  # noqa: E402
-from fp4lab.kernels.matmul import _scaled_mm_kernel, scaled_mm  # noqa: E402
+from fp4lab.kernels import matmul  # noqa: E402
+from fp4lab.kernels.matmul import scaled_mm  # noqa: E402
 
 SHAPES = [(8192, 8192, 8192), (8192, 4096, 4096), (8192, 14336, 4096), (8192, 4096, 14336), (4096, 4096, 4096)]
-TILES = [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (256, 128, 64, 8, 3), (128, 128, 64, 8, 4),
-         (128, 128, 64, 4, 4), (128, 128, 128, 8, 3), (64, 256, 64, 4, 4)]
+TILES = [(256, 128, 64, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 4), (128, 256, 64, 8, 4),
+         (128, 128, 64, 8, 4), (128, 128, 64, 4, 4), (256, 128, 128, 8, 2)]
 GROUPED = dict(experts=8, rows=16384, k=2048, n=2816)  # MoE expert GEMM: 8 experts, uneven token counts
 
 
@@ -44,24 +44,28 @@ def operands(m: int, n: int, k: int):
 
 
 def sweep(m: int, n: int, k: int) -> dict:
+    """scaled_mm at m x n x k for each tile and both tile loaders (TMA descriptors, pointers); also
+    with B transposed in memory (dgrad's W^T view)."""
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-    alpha = torch.ones(1, device="cuda")
-    out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    b_t = b.T.contiguous().T
+    alpha = torch.ones((), device="cuda")
+    saved = (matmul._BM, matmul._BN, matmul._BK, matmul._WARPS, matmul._STAGES, matmul.USE_TMA)
     results = {}
-    for bm, bn, bk, warps, stages in TILES:
-        def run():
-            _scaled_mm_kernel[(triton.cdiv(m, bm) * triton.cdiv(n, bn),)](
-                a, b, out, alpha, a, a, a, m, n, k, a.stride(0), a.stride(1), 0, b.stride(0), b.stride(1),
-                out.stride(0), out.stride(1), 0, GROUPED=False, BF16_OUT=True, EVEN_K=k % bk == 0, DOT_F32=False,
-                BM=bm, BN=bn, BK=bk, GROUP_M=8, num_warps=warps, num_stages=stages)
-        name = f"{bm}x{bn}x{bk}_w{warps}_s{stages}"
-        try:
-            results[name] = 2 * m * n * k / graph_ms(run) / 1e9
-        except Exception as exc:  # e.g. out of shared memory for this tile
-            print(f"tile {name}: {type(exc).__name__}")
-            continue
-        print(f"tile {name}: {results[name]:.0f} TFLOP/s", flush=True)
+    for tma in (True, False):
+        for tile in TILES:
+            matmul._BM, matmul._BN, matmul._BK, matmul._WARPS, matmul._STAGES = tile
+            matmul.USE_TMA = tma
+            name = ("tma_" if tma else "ptr_") + "{}x{}x{}_w{}_s{}".format(*tile)
+            try:
+                results[name] = 2 * m * n * k / graph_ms(lambda: scaled_mm(a, b, alpha)) / 1e9
+                if tile == TILES[0]:
+                    results[name + "_bT"] = 2 * m * n * k / graph_ms(lambda: scaled_mm(a, b_t, alpha)) / 1e9
+            except Exception as exc:  # e.g. out of shared memory for this tile
+                print(f"tile {name}: {type(exc).__name__}")
+                continue
+            print(f"tile {name}: {results[name]:.0f} TFLOP/s", flush=True)
+    (matmul._BM, matmul._BN, matmul._BK, matmul._WARPS, matmul._STAGES, matmul.USE_TMA) = saved
     return results
 
 

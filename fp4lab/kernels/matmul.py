@@ -14,6 +14,8 @@ The grouped launch walks a tile list made on the host from ``sizes`` (a list of 
 already has them, so there is no device sync): tile t covers rows tile_row[t] ..  + BM of group
 tile_group[t], masked at the group's end. Groups of 0 rows cost nothing.
 
+On CUDA the tiles come through TMA descriptors (``_scaled_mm_tma_kernel``) where the
+operands' layout allows, else through pointers (``_scaled_mm_kernel``, also the interpreter's path).
 Under TRITON_INTERPRET=1 the dot multiplies exact fp32 copies (the interpreter's bf16 dot
 multiplies raw bit patterns); the result is the same function up to fp32 summation order.
 
@@ -31,8 +33,11 @@ import triton.language as tl
 
 from .elements import to_bf16_rtne, widen
 
-# tiles for H100/H200 (benchmarks/NOTES.md): 128 x 256 x 64, 8 warps, 3 stages
-_BM, _BN, _BK, _WARPS, _STAGES = 128, 256, 64, 8, 3
+# tiles for H100/H200 (benchmarks/NOTES.md: a sweep at 8192^3): 256 x 128 x 64, 8 warps, 3 stages
+_BM, _BN, _BK, _WARPS, _STAGES = 256, 128, 64, 8, 3
+USE_TMA = True
+"""On CUDA, read tiles through TMA descriptors where the operands allow (16-byte aligned rows, one
+contiguous axis); False forces the pointer kernel (benchmarks compare the two)."""
 
 
 @triton.jit
@@ -89,6 +94,70 @@ def _scaled_mm_kernel(a_ptr, b_ptr, c_ptr, alpha_ptr, tile_group_ptr, tile_row_p
         tl.store(c, acc, mask=live)
 
 
+@triton.jit
+def _scaled_mm_tma_kernel(a_desc, b_desc, c_ptr, alpha_ptr, tile_group_ptr, tile_row_ptr, group_end_ptr,
+                          M, N, K, s_cm, s_cn, s_alpha, b_group_rows,
+                          GROUPED: tl.constexpr, B_KN: tl.constexpr, BF16_OUT: tl.constexpr,
+                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
+    """The same GEMM with tiles brought in by Hopper's tensor memory accelerator (TMA descriptors:
+    out-of-range reads are zeros). b is [G * N, K] (K-major) or, with B_KN, [K, N]."""
+    pid = tl.program_id(0)
+    tiles_n = tl.cdiv(N, BN)
+    if GROUPED:  # rows past a group's end read the next group's rows; they are never stored
+        t, pid_n = pid // tiles_n, pid % tiles_n
+        g = tl.load(tile_group_ptr + t)
+        row_end = tl.load(group_end_ptr + g)
+        row0 = tl.load(tile_row_ptr + t)
+        b_row0 = g * b_group_rows
+    else:
+        g = 0
+        row_end = M
+        tiles_m = tl.cdiv(M, BM)
+        first_m = (pid // (GROUP_M * tiles_n)) * GROUP_M
+        size_m = tl.minimum(tiles_m - first_m, GROUP_M)
+        row0 = (first_m + (pid % (GROUP_M * tiles_n)) % size_m) * BM
+        pid_n = (pid % (GROUP_M * tiles_n)) // size_m
+        b_row0 = 0
+    n0 = pid_n * BN
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        a = a_desc.load([row0, k0])
+        if B_KN:
+            acc = tl.dot(a, b_desc.load([k0, n0]), acc)
+        else:
+            acc = tl.dot(a, b_desc.load([b_row0 + n0, k0]).T, acc)
+    acc = acc * tl.load(alpha_ptr + g * s_alpha)
+    rm = row0 + tl.arange(0, BM)
+    rn = n0 + tl.arange(0, BN)
+    c = c_ptr + rm.to(tl.int64)[:, None] * s_cm + rn.to(tl.int64)[None, :] * s_cn
+    live = (rm[:, None] < row_end) & (rn[None, :] < N)
+    if BF16_OUT:
+        tl.store(c, to_bf16_rtne(acc), mask=live)
+    else:
+        tl.store(c, acc, mask=live)
+
+
+def _descriptors(a: torch.Tensor, b: torch.Tensor, bm: int, bn: int, bk: int):
+    """TMA descriptors for a [S, K] and b ([G, N, K] / [N, K] or a [N, K] view of a [K, N]
+    matrix) -> (a_desc, b_desc, b stored [K, N]), or None where TMA cannot read them."""
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:
+        return None
+    if not a.is_cuda or a.stride(1) != 1 or (a.stride(0) * 2) % 16 or a.data_ptr() % 16:
+        return None
+    k = a.shape[1]
+    if b.stride(-1) == 1 and (b.dim() == 2 or b.is_contiguous()):
+        b_mat, kn, block = b.reshape(-1, k), False, [bn, bk]
+    elif b.dim() == 2 and b.stride(0) == 1:
+        b_mat, kn, block = b.T, True, [bk, bn]
+    else:
+        return None
+    if (b_mat.stride(0) * 2) % 16 or b_mat.data_ptr() % 16:
+        return None
+    return TensorDescriptor.from_tensor(a, [bm, bk]), TensorDescriptor.from_tensor(b_mat, block), kn
+
+
 def _check(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, alpha: torch.Tensor) -> None:
     if a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16:
         raise TypeError(f"scaled_mm takes bfloat16 operands, got {a.dtype} and {b.dtype}")
@@ -105,6 +174,14 @@ def _launch(a, b, out, alpha, grid, tiles, m, n, k, s_bg, s_alpha, grouped):
     bm, bn, bk = (32, 32, 32) if interpreted else (_BM, _BN, _BK)
     if tiles is None:
         tiles = (a, a, a)  # unused pointers
+    tma = None if interpreted or not USE_TMA else _descriptors(a, b, bm, bn, bk)
+    if tma is not None:
+        a_desc, b_desc, kn = tma
+        _scaled_mm_tma_kernel[grid(bm, bn)](a_desc, b_desc, out, alpha, *tiles, m, n, k, out.stride(0), out.stride(1),
+                                            s_alpha, n if grouped else 0, GROUPED=grouped, B_KN=kn,
+                                            BF16_OUT=out.dtype == torch.bfloat16, BM=bm, BN=bn, BK=bk, GROUP_M=8,
+                                            num_warps=_WARPS, num_stages=_STAGES)
+        return
     _scaled_mm_kernel[grid(bm, bn)](a, b, out, alpha, *tiles, m, n, k, a.stride(0), a.stride(1), s_bg,
                                     b.stride(-2), b.stride(-1), out.stride(0), out.stride(1), s_alpha,
                                     GROUPED=grouped, BF16_OUT=out.dtype == torch.bfloat16, EVEN_K=k % bk == 0,

@@ -65,6 +65,13 @@ def _by_hand(t, axis, op: Operand, spec: GemmSpec, recipe: Recipe, root: int, ge
 
 
 def _same(a, b):
+    """a: an operand as the layer made it (a tensor, FP4Tensor or BlockValues), b: by hand."""
+    if isinstance(a, BlockValues):
+        want = BlockValues.of(b)
+        assert a.rows == want.rows and torch.equal(a.matrix.cpu(), want.matrix.cpu())
+        assert torch.equal(a.tensor_scale.cpu(), want.tensor_scale.cpu())
+        return
+    a = a.to("cpu")
     if isinstance(b, torch.Tensor):
         assert torch.equal(a, b)
         return
@@ -204,9 +211,7 @@ def test_triton_path_gives_the_reference_bytes(monkeypatch):
     # on Triton the operands arrive as BlockValues, and dgrad multiplies fprop's weight values transposed
     assert set(seen["reference"]) - set(seen["triton"]) == {("dgrad", "b")}
     for key, (_, _, q) in seen["reference"].items():
-        fast = seen["triton"][key][2] if key != ("dgrad", "b") else seen["triton"]["fprop", "b"][2].transposed(32)
-        want = BlockValues.of(q)
-        assert torch.equal(fast.matrix.cpu(), want.matrix) and torch.equal(fast.tensor_scale.cpu(), want.tensor_scale)
+        _same(seen["triton"][key][2] if key != ("dgrad", "b") else seen["triton"]["fprop", "b"][2].transposed(32), q)
 
 
 @pytest.mark.parametrize("name", ["nvfp4", "mxfp4", "nvfp4_dither"])
