@@ -13,7 +13,9 @@ methods (kernels/gemm.py) from packed NVFP4 operands (activations 1x16, weights 
 First a tile sweep of scaled_mm at 8192^3 (TMA and pointer loaders) and a correctness check against formats.scaled_mm's
 summation bound at 2048^3; last, the grouped (MoE) GEMM: one launch for E experts with uneven
 rows against a loop of per-expert fp4_mm calls and against BF16 (a cuBLAS loop, and
-torch._grouped_mm where this torch has it). Writes benchmarks/results/gemm.json and the gemm_*
+torch._grouped_mm where this torch has it), and grouped_scaled_mm alone on decoded operands. These
+are eager CUDA-event times (the grouped launch copies its tile list to the device), so at this
+size they include Python launch overhead: ~30 launches for fp4_grouped. Writes benchmarks/results/gemm.json and the gemm_*
 keys of latest.json (gemm_fp4_over_bf16: fp4_mm's default method at 8192^3).
 """
 
@@ -29,7 +31,7 @@ from benchmarks.common import bench_ms, environment, graph_ms, save  # noqa: E40
 from fp4lab import formats, kernels  # noqa: E402
 from fp4lab.kernels.gemm import fp4_mm, grouped_fp4_mm  # noqa: E402
 from fp4lab.kernels import matmul  # noqa: E402
-from fp4lab.kernels.matmul import scaled_mm  # noqa: E402
+from fp4lab.kernels.matmul import grouped_scaled_mm, scaled_mm  # noqa: E402
 
 SHAPES = [(8192, 8192, 8192), (8192, 4096, 4096), (8192, 14336, 4096), (8192, 4096, 14336), (4096, 4096, 4096)]
 TILES = [(256, 128, 64, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 4), (128, 256, 64, 8, 4),
@@ -92,13 +94,19 @@ def grouped(experts: int, rows: int, k: int, n: int) -> dict:
     times = {"bf16_loop": bench_ms(lambda: [x @ w.T for x, w in zip(xs, ws)]),
              "fp4_loop": bench_ms(lambda: [fp4_mm(a, b, out_dtype=torch.bfloat16) for a, b in zip(qa, qb)]),
              "fp4_grouped": bench_ms(lambda: grouped_fp4_mm(qa, qb))}
+    # the grouped GEMM alone, on operands already decoded (as a layer quantizing to values has them)
+    a_vals = torch.cat([kernels.quantize_values(x).matrix for x in xs])
+    b_vals = torch.stack([kernels.quantize_values(w, block=(16, 16)).matrix for w in ws])
+    alpha = torch.ones(experts, device="cuda")
+    times["values_grouped"] = bench_ms(lambda: grouped_scaled_mm(a_vals, b_vals, sizes, alpha))
     if hasattr(torch, "_grouped_mm"):
         offs = torch.tensor(sizes, device="cuda").cumsum(0).to(torch.int32)
         times["bf16_grouped_mm"] = bench_ms(lambda: torch._grouped_mm(x_all, w_all.transpose(1, 2), offs=offs))
     best_bf16 = min(v for key, v in times.items() if key.startswith("bf16"))
     result = {"sizes": sizes, "k": k, "n": n, **{f"{key}_tflops": flops / v / 1e9 for key, v in times.items()},
               "grouped_over_fp4_loop": times["fp4_loop"] / times["fp4_grouped"],
-              "grouped_over_best_bf16": best_bf16 / times["fp4_grouped"]}
+              "grouped_over_best_bf16": best_bf16 / times["fp4_grouped"],
+              "values_grouped_over_best_bf16": best_bf16 / times["values_grouped"]}
     for key, v in times.items():
         print(f"grouped {experts} experts, {rows} rows, K={k} N={n}: {key:16s} {v:.3f} ms "
               f"{flops / v / 1e9:5.0f} TFLOP/s")
@@ -138,7 +146,8 @@ def main() -> None:
                                           "gemm_fp4_fused_over_bf16": big["fused_over_bf16"],
                                           "gemm_values_over_bf16": big["values_over_bf16"],
                                           "gemm_grouped_over_fp4_loop": group["grouped_over_fp4_loop"],
-                                          "gemm_grouped_over_bf16": group["grouped_over_best_bf16"]}))
+                                          "gemm_grouped_over_bf16": group["grouped_over_best_bf16"],
+                                          "gemm_values_grouped_over_bf16": group["values_grouped_over_best_bf16"]}))
 
 
 if __name__ == "__main__":

@@ -13,8 +13,12 @@ and weight gradients; bf16 x, W and dy):
            its amax pass), each GEMM kernels.matmul.scaled_mm with alpha in the epilogue
     compiled  (--compiled) the same six fake-quantized operands built from fp4lab.formats and
            torch.compile'd: "what a user would write" (benchmarks/fakequant_baseline.py)
-Times are CUDA-graph replays (compiled: CUDA-event medians). Writes benchmarks/results/linear.json
-and the linear_* keys of latest.json (ratios to BF16 at M=8192, K=N=4096; 1.0 = BF16's cost).
+Two times per case: kernel time (the summed durations of the kernels one step launches, from
+torch.profiler: device cost without launch gaps; the ratios in latest.json) and eager wall time
+(CUDA events around a Python call: adds launch overhead, which dominates at small shapes). CUDA
+graphs are not used here: autograd runs backward on its own thread. Writes
+benchmarks/results/linear.json and the linear_* keys of latest.json (ratios to BF16 at M=8192,
+K=N=4096; 1.0 = BF16's cost).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import bench_ms, environment, graph_ms, save  # noqa: E402
+from benchmarks.common import bench_ms, environment, kernel_ms, save  # noqa: E402
 from fp4lab.nn import QuantContext, fp4_linear  # noqa: E402
 from fp4lab.nn.recipe import nvfp4  # noqa: E402
 
@@ -58,10 +62,13 @@ def main() -> None:
     rows = {}
     for m, k, n in SHAPES:
         x, w, dy = tensors(m, k, n)
-        bf16 = graph_ms(lambda: bf16_step(x, w, dy))
-        fp4 = graph_ms(lambda: nvfp4_step(x, w, dy))
-        rows[f"M{m}_K{k}_N{n}"] = {"bf16_ms": bf16, "nvfp4_ms": fp4, "nvfp4_over_bf16": fp4 / bf16}
-        print(f"M={m} K={k} N={n}: bf16 {bf16:.3f} ms, nvfp4 {fp4:.3f} ms, ratio {fp4 / bf16:.2f}", flush=True)
+        bf16, fp4 = kernel_ms(lambda: bf16_step(x, w, dy)), kernel_ms(lambda: nvfp4_step(x, w, dy))
+        bf16_eager, fp4_eager = bench_ms(lambda: bf16_step(x, w, dy)), bench_ms(lambda: nvfp4_step(x, w, dy))
+        rows[f"M{m}_K{k}_N{n}"] = {"bf16_ms": bf16, "nvfp4_ms": fp4, "nvfp4_over_bf16": fp4 / bf16,
+                                   "bf16_eager_ms": bf16_eager, "nvfp4_eager_ms": fp4_eager,
+                                   "nvfp4_over_bf16_eager": fp4_eager / bf16_eager}
+        print(f"M={m} K={k} N={n}: kernel time bf16 {bf16:.3f} ms, nvfp4 {fp4:.3f} ms, ratio {fp4 / bf16:.2f}; "
+              f"eager {bf16_eager:.3f} / {fp4_eager:.3f} ms, ratio {fp4_eager / bf16_eager:.2f}", flush=True)
     payload = {**environment(), "shapes": rows}
     save("linear", payload, {"linear_nvfp4_over_bf16": rows["M8192_K4096_N4096"]["nvfp4_over_bf16"]})
     if args.compiled:
@@ -73,7 +80,9 @@ def main() -> None:
         compiled(x, w, dy)
         torch.cuda.synchronize()
         payload["compiled_fakequant_compile_s"] = time.perf_counter() - start
-        ratio = bench_ms(lambda: compiled(x, w, dy)) / rows["M8192_K4096_N4096"]["bf16_ms"]
+        ratio = kernel_ms(lambda: compiled(x, w, dy)) / rows["M8192_K4096_N4096"]["bf16_ms"]
+        payload["compiled_fakequant_eager_over_bf16"] = (bench_ms(lambda: compiled(x, w, dy))
+                                                         / rows["M8192_K4096_N4096"]["bf16_eager_ms"])
         payload["compiled_fakequant_over_bf16"] = ratio
         save("linear", payload, {"linear_compiled_fakequant_over_bf16": ratio})
         print(f"compiled fake-quant step over bf16: {ratio:.2f} (compiling took "

@@ -34,6 +34,22 @@ def graph_ms(fn, rep: int = 100) -> float:
     return float(do_bench_cudagraph(fn, rep=rep, return_mode="median"))
 
 
+def kernel_ms(fn, reps: int = 10, warmup: int = 3) -> float:
+    """Milliseconds of GPU kernel time per fn() call: the sum of the durations of every kernel it
+    launches (torch.profiler), averaged over ``reps`` calls. Device cost without launch gaps, for
+    work that a CUDA graph cannot capture (autograd's backward runs on its own thread)."""
+    from torch.profiler import ProfilerActivity, profile
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    total_us = sum(getattr(e, "self_device_time_total", 0) for e in prof.key_averages())
+    return total_us / reps / 1e3
+
+
 def copy_bandwidth_gbs(numel: int = 1 << 28) -> float:
     """Device-to-device copy of a bf16 tensor, bytes read + written per second."""
     src = torch.randn(numel, device="cuda", dtype=torch.bfloat16)

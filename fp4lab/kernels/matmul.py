@@ -33,8 +33,8 @@ import triton.language as tl
 
 from .elements import to_bf16_rtne, widen
 
-# tiles for H100/H200 (benchmarks/NOTES.md: a sweep at 8192^3): 256 x 128 x 64, 8 warps, 3 stages
-_BM, _BN, _BK, _WARPS, _STAGES = 256, 128, 64, 8, 3
+# tiles for H100/H200 (benchmarks/NOTES.md: a sweep at 8192^3): 256 x 128 x 64, 8 warps, 4 stages
+_BM, _BN, _BK, _WARPS, _STAGES = 256, 128, 64, 8, 4
 USE_TMA = True
 """On CUDA, read tiles through TMA descriptors where the operands allow (16-byte aligned rows, one
 contiguous axis); False forces the pointer kernel (benchmarks compare the two)."""

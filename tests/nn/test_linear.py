@@ -69,7 +69,8 @@ def _same(a, b):
     if isinstance(a, BlockValues):
         want = BlockValues.of(b)
         assert a.rows == want.rows and torch.equal(a.matrix.cpu(), want.matrix.cpu())
-        assert torch.equal(a.tensor_scale.cpu(), want.tensor_scale.cpu())
+        assert (a.tensor_scale is None and want.tensor_scale is None) or \
+            torch.equal(a.tensor_scale.cpu(), want.tensor_scale.cpu())
         return
     a = a.to("cpu")
     if isinstance(b, torch.Tensor):
