@@ -1,6 +1,12 @@
-"""Tile-shape sweep for the quantize kernel: time, registers and spills per configuration.
+"""Tile-shape sweep of the quantize kernel on the paths a training step runs along axis 0.
 
     python benchmarks/sweep_quantize.py
+
+For each (BR, BC, warps) of kernels.quantize.TILES["transposed"] (and a few "rows" tiles): the
+time of Wgrad's operands as nn quantizes them, x 8192 x 4096 bf16 read along axis 0 and written
+as bf16 block values (2 + 2 bytes per element): RTNE, RHT + SR with the amax given, and the
+rotated-amax pass alone; plus the plain row-wise quantize. Prints GB/s over the copy bandwidth and
+writes benchmarks/results/sweep_quantize.json.
 """
 
 from __future__ import annotations
@@ -9,36 +15,43 @@ import sys
 from pathlib import Path
 
 import torch
-import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import bench_ms, copy_bandwidth_gbs  # noqa: E402
-from fp4lab.kernels.amax import finite_amax  # noqa: E402
-from fp4lab.kernels.quantize import _fp4_quantize_kernel  # noqa: E402
+from benchmarks.common import copy_bandwidth_gbs, environment, graph_ms, save  # noqa: E402
+from fp4lab import kernels  # noqa: E402
+from fp4lab.kernels import quantize  # noqa: E402
+
+TRANSPOSED = [(128, 64, 4), (64, 64, 4), (64, 32, 4), (128, 32, 4), (256, 32, 8), (64, 128, 4), (32, 64, 2),
+              (128, 128, 8), (256, 64, 8), (32, 32, 1)]
+ROWS = [(32, 128, 4), (16, 128, 2), (64, 64, 4), (16, 256, 4)]
 
 
 def main() -> None:
     x = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16)
-    rows, lp = x.shape
     copy = copy_bandwidth_gbs()
-    amax, s_dec = finite_amax(x), torch.empty((), device="cuda")
+    amax = kernels.quantize_values(x).tensor_scale * 2688  # any positive amax
+    n = x.numel()
+    cases = {"values_axis0": (dict(axis=0, global_amax=amax), n * 4, "transposed"),
+             "values_axis0_rht_sr": (dict(axis=0, hadamard="te", rounding="stochastic", seed=1, global_amax=amax),
+                                     n * 4, "transposed"),
+             "values_axis0_rht_with_amax_pass": (dict(axis=0, hadamard="te"), n * 4, "transposed"),
+             "values_rows": (dict(global_amax=amax), n * 4, "rows")}
+    saved = dict(quantize.TILES)
+    results = {}
     print(f"copy {copy:.0f} GB/s")
-    for rule, block, sr in [(0, 16, False), (0, 16, True), (2, 32, False)]:
-        for br, bc, warps in [(32, 128, 4), (16, 256, 4), (8, 512, 4), (16, 128, 4), (16, 128, 2),
-                              (32, 256, 8), (64, 256, 8), (32, 512, 8)]:
-            codes = torch.empty(rows, lp // 2, dtype=torch.uint8, device="cuda")
-            scales = torch.empty(rows, lp // block, dtype=torch.uint8, device="cuda")
-            grid = (triton.cdiv(rows, br), triton.cdiv(lp, bc))
-
-            def run():
-                return _fp4_quantize_kernel[grid](x.view(torch.int16), codes, scales, amax, s_dec, 1, rows, lp, rows,
-                                                  lp, lp, 1, SCALE_RULE=rule, BLOCK=block, TILE_ROWS=1,
-                                                  STOCHASTIC=sr, BF16_BITS=True, BR=br, BC=bc, num_warps=warps)
-            k = run()
-            ms = bench_ms(run)
-            gbs = x.numel() * (2.5 + 1 / block) / ms / 1e6
-            print(f"rule {rule} sr {sr:d} BR {br:3d} BC {bc:3d} warps {warps}: {ms:.3f} ms {gbs:6.0f} GB/s "
-                  f"{gbs / copy:.2f}  regs {k.n_regs} spills {k.n_spills}")
+    for name, (kwargs, nbytes, path) in cases.items():
+        for tile in TRANSPOSED if path == "transposed" else ROWS:
+            quantize.TILES[path] = tile
+            key = f"{name}_{tile[0]}x{tile[1]}_w{tile[2]}"
+            try:
+                ms = graph_ms(lambda: kernels.quantize_values(x, backend="triton", **kwargs))
+            except Exception as exc:  # e.g. too many registers for this tile
+                print(f"{key}: {type(exc).__name__}")
+                continue
+            results[key] = {"ms": ms, "over_copy": nbytes / ms / 1e6 / copy}
+            print(f"{key:52s} {ms:.3f} ms  {results[key]['over_copy']:.2f} of copy", flush=True)
+        quantize.TILES.update(saved)
+    save("sweep_quantize", {**environment(), "copy_gbs": copy, "cases": results})
 
 
 if __name__ == "__main__":

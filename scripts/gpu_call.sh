@@ -42,6 +42,7 @@ for phase in "$@"; do
          done
          python3 -m fp4lab report results/gpt-d12/bf16 results/gpt-d12/nvfp4 --out results/gpt-d12 --title "d12 GPT" ;;
     kernel-tests) python3 -m pytest tests/kernels tests/nn -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest_kernels_nn_gpu.log" | tail -3 ;;
+    sweep) timeout "$(left)" python3 benchmarks/sweep_quantize.py 2>&1 | tee "$OUT/sweep_quantize.log" | tail -45 ;;
     bench:*) name=${phase#bench:}  # benchmarks/bench_NAME.py; a "+" passes --compiled to bench_linear
          flag=""; [ "$name" = "linear+" ] && { name=linear; flag=--compiled; }
          [ "$(left)" -gt 30 ] || { echo "skipped: out of time"; continue; }

@@ -43,6 +43,9 @@ HADAMARD_RULES = {HadamardSigns.NONE: 1, HadamardSigns.TE: 2, HadamardSigns.RAND
 TE_NEGATIVE = tl.constexpr(sum(1 << j for j, s in enumerate(TE_SIGNS) if s < 0))
 MX_RULES = {MXScaleMode.FLOOR: 2, MXScaleMode.CEIL: 3, MXScaleMode.EVEN: 4, MXScaleMode.RCEIL: 5}
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
+# (BR, BC, warps) per read direction (benchmarks/sweep_quantize.py on an H100): rows of a row-major
+# tile, or a transposed read (axis 0 of a contiguous matrix)
+TILES = {"rows": (32, 128, 4), "transposed": (128, 64, 4)}
 
 
 @triton.jit
@@ -219,7 +222,7 @@ def _launch(x: torch.Tensor, axis: int, block: tuple[int, int], pad: bool, rule:
     if rows_out * lp:
         # a transposed read (axis 0 of a contiguous matrix) loads [BC, BR] tiles along memory
         transposed = stride_r == 1 and stride_c != 1
-        br, bc = (128, 64) if transposed else (32, 128)
+        br, bc, warps = TILES["transposed" if transposed else "rows"]
         grid = (triton.cdiv(rows_out, br), triton.cdiv(lp, bc))
         bf16 = src.dtype == torch.bfloat16
         _fp4_quantize_kernel[grid](src.view(torch.int16) if bf16 else src, codes, scales,
@@ -229,7 +232,7 @@ def _launch(x: torch.Tensor, axis: int, block: tuple[int, int], pad: bool, rule:
                                    SCALE_RULE=rule, BLOCK=block[1], TILE_ROWS=block[0],
                                    STOCHASTIC=stochastic, BF16_BITS=bf16, HADAMARD=hadamard,
                                    AMAX_ONLY=amax_only, OUT_VALUES=out_values, TRANSPOSED=transposed,
-                                   BR=br, BC=bc)
+                                   BR=br, BC=bc, num_warps=warps)
     return codes, scales, axis
 
 
