@@ -45,7 +45,7 @@ MX_RULES = {MXScaleMode.FLOOR: 2, MXScaleMode.CEIL: 3, MXScaleMode.EVEN: 4, MXSc
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
 # (BR, BC, warps) per read direction (benchmarks/sweep_quantize.py on an H100): rows of a row-major
 # tile, or a transposed read (axis 0 of a contiguous matrix)
-TILES = {"rows": (32, 128, 4), "transposed": (128, 64, 4)}
+TILES = {"rows": (32, 128, 4), "transposed": (128, 32, 4)}
 
 
 @triton.jit
