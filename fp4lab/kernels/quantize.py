@@ -60,11 +60,83 @@ def _tensor_terms(amax, RULE: tl.constexpr):
 
 
 @triton.jit
-def _butterfly_stage(v, H: tl.constexpr, BR: tl.constexpr, NB: tl.constexpr):
-    """One stage of formats.hadamard._butterfly: pairs (i, i + H) in runs of 2H -> (a + b, a - b)."""
-    pairs = tl.permute(tl.reshape(v, (BR, NB, 16 // (2 * H), 2, H)), (0, 1, 2, 4, 3))
-    a, b = tl.split(pairs)
-    return tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 2, 4, 3)), (BR, NB, 16))
+def _halves(v, BR: tl.constexpr, NB: tl.constexpr, N: tl.constexpr):
+    """[BR, NB, N] -> its even and odd positions along the last axis, [BR, NB, N // 2] each."""
+    return tl.split(tl.reshape(v, (BR, NB, N // 2, 2)))
+
+
+@triton.jit
+def _interleave(a, b, BR: tl.constexpr, NB: tl.constexpr, N: tl.constexpr):
+    """The inverse of _halves: a at even positions, b at odd, -> [BR, NB, N]."""
+    return tl.reshape(tl.join(a, b), (BR, NB, N))
+
+
+@triton.jit
+def _butterfly16(v, BR: tl.constexpr, NB: tl.constexpr):
+    """v: [BR, NB, 16] -> each 16-run times H16 (unscaled), in formats.hadamard._butterfly's order.
+
+    The run is taken apart into its 16 elements (p0 .. p15, each [BR, NB, 1]) by halving along the
+    last axis, the four stages pair p_i with p_(i+h) as plain elementwise adds, and the halves are
+    put back together. Splitting and joining a trailing axis of size 2 stays inside a thread, so
+    the stages move no data between threads (a reshape/permute formulation did, four times)."""
+    e, o = _halves(v, BR, NB, 16)
+    ee, eo = _halves(e, BR, NB, 8)
+    oe, oo = _halves(o, BR, NB, 8)
+    eee, eeo = _halves(ee, BR, NB, 4)
+    eoe, eoo = _halves(eo, BR, NB, 4)
+    oee, oeo = _halves(oe, BR, NB, 4)
+    ooe, ooo = _halves(oo, BR, NB, 4)
+    p0, p8 = _halves(eee, BR, NB, 2)
+    p4, p12 = _halves(eeo, BR, NB, 2)
+    p2, p10 = _halves(eoe, BR, NB, 2)
+    p6, p14 = _halves(eoo, BR, NB, 2)
+    p1, p9 = _halves(oee, BR, NB, 2)
+    p5, p13 = _halves(oeo, BR, NB, 2)
+    p3, p11 = _halves(ooe, BR, NB, 2)
+    p7, p15 = _halves(ooo, BR, NB, 2)
+    # h = 1: (0, 1), (2, 3), ...
+    p0, p1 = p0 + p1, p0 - p1
+    p2, p3 = p2 + p3, p2 - p3
+    p4, p5 = p4 + p5, p4 - p5
+    p6, p7 = p6 + p7, p6 - p7
+    p8, p9 = p8 + p9, p8 - p9
+    p10, p11 = p10 + p11, p10 - p11
+    p12, p13 = p12 + p13, p12 - p13
+    p14, p15 = p14 + p15, p14 - p15
+    # h = 2
+    p0, p2 = p0 + p2, p0 - p2
+    p1, p3 = p1 + p3, p1 - p3
+    p4, p6 = p4 + p6, p4 - p6
+    p5, p7 = p5 + p7, p5 - p7
+    p8, p10 = p8 + p10, p8 - p10
+    p9, p11 = p9 + p11, p9 - p11
+    p12, p14 = p12 + p14, p12 - p14
+    p13, p15 = p13 + p15, p13 - p15
+    # h = 4
+    p0, p4 = p0 + p4, p0 - p4
+    p1, p5 = p1 + p5, p1 - p5
+    p2, p6 = p2 + p6, p2 - p6
+    p3, p7 = p3 + p7, p3 - p7
+    p8, p12 = p8 + p12, p8 - p12
+    p9, p13 = p9 + p13, p9 - p13
+    p10, p14 = p10 + p14, p10 - p14
+    p11, p15 = p11 + p15, p11 - p15
+    # h = 8
+    p0, p8 = p0 + p8, p0 - p8
+    p1, p9 = p1 + p9, p1 - p9
+    p2, p10 = p2 + p10, p2 - p10
+    p3, p11 = p3 + p11, p3 - p11
+    p4, p12 = p4 + p12, p4 - p12
+    p5, p13 = p5 + p13, p5 - p13
+    p6, p14 = p6 + p14, p6 - p14
+    p7, p15 = p7 + p15, p7 - p15
+    eee, eeo = _interleave(p0, p8, BR, NB, 2), _interleave(p4, p12, BR, NB, 2)
+    eoe, eoo = _interleave(p2, p10, BR, NB, 2), _interleave(p6, p14, BR, NB, 2)
+    oee, oeo = _interleave(p1, p9, BR, NB, 2), _interleave(p5, p13, BR, NB, 2)
+    ooe, ooo = _interleave(p3, p11, BR, NB, 2), _interleave(p7, p15, BR, NB, 2)
+    ee, eo = _interleave(eee, eeo, BR, NB, 4), _interleave(eoe, eoo, BR, NB, 4)
+    oe, oo = _interleave(oee, oeo, BR, NB, 4), _interleave(ooe, ooo, BR, NB, 4)
+    return _interleave(_interleave(ee, eo, BR, NB, 8), _interleave(oe, oo, BR, NB, 8), BR, NB, 16)
 
 
 @triton.jit
@@ -79,9 +151,7 @@ def _hadamard16(x, seed, RULE: tl.constexpr, ROUND_BF16: tl.constexpr, BR: tl.co
     else:
         negative = j * 0
     v = x * (1 - 2 * negative).to(tl.float32)[None, None, :]
-    v = _butterfly_stage(_butterfly_stage(_butterfly_stage(_butterfly_stage(v, 1, BR, NB), 2, BR, NB), 4, BR, NB),
-                         8, BR, NB)
-    v = v * 0.25
+    v = _butterfly16(v, BR, NB) * 0.25
     if ROUND_BF16:
         v = round_to_bf16(v)
     return v
