@@ -100,7 +100,8 @@ def _scaled_mm_tma_kernel(a_desc, b_desc, c_ptr, alpha_ptr, tile_group_ptr, tile
                           GROUPED: tl.constexpr, B_KN: tl.constexpr, BF16_OUT: tl.constexpr,
                           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
     """The same GEMM with tiles brought in by Hopper's tensor memory accelerator (TMA descriptors:
-    out-of-range reads are zeros). b is [G * N, K] (K-major) or, with B_KN, [K, N]."""
+    out-of-range reads are zeros). b is [G * b_group_rows, K] (K-major: group g's B from row
+    g * b_group_rows) or, with B_KN, [G * b_group_rows, N] (group g's B^T from that row)."""
     pid = tl.program_id(0)
     tiles_n = tl.cdiv(N, BN)
     if GROUPED:  # rows past a group's end read the next group's rows; they are never stored
@@ -123,7 +124,7 @@ def _scaled_mm_tma_kernel(a_desc, b_desc, c_ptr, alpha_ptr, tile_group_ptr, tile
     for k0 in range(0, K, BK):
         a = a_desc.load([row0, k0])
         if B_KN:
-            acc = tl.dot(a, b_desc.load([k0, n0]), acc)
+            acc = tl.dot(a, b_desc.load([b_row0 + k0, n0]), acc)
         else:
             acc = tl.dot(a, b_desc.load([b_row0 + n0, k0]).T, acc)
     acc = acc * tl.load(alpha_ptr + g * s_alpha)
@@ -138,24 +139,33 @@ def _scaled_mm_tma_kernel(a_desc, b_desc, c_ptr, alpha_ptr, tile_group_ptr, tile
 
 
 def _descriptors(a: torch.Tensor, b: torch.Tensor, bm: int, bn: int, bk: int):
-    """TMA descriptors for a [S, K] and b ([G, N, K] / [N, K] or a [N, K] view of a [K, N]
-    matrix) -> (a_desc, b_desc, b stored [K, N]), or None where TMA cannot read them."""
+    """TMA descriptors for a [S, K] and b ([N, K] or [G, N, K], either axis contiguous) ->
+    (a_desc, b_desc, b stored [K, N], rows per group in b's 2D view), or None where TMA cannot
+    read them: rows not 16-byte aligned, no contiguous axis, or (grouped, N-major) a K that the
+    tiles would overrun into the next group's rows."""
     try:
         from triton.tools.tensor_descriptor import TensorDescriptor
     except ImportError:
         return None
     if not a.is_cuda or a.stride(1) != 1 or (a.stride(0) * 2) % 16 or a.data_ptr() % 16:
         return None
-    k = a.shape[1]
-    if b.stride(-1) == 1 and (b.dim() == 2 or b.is_contiguous()):
-        b_mat, kn, block = b.reshape(-1, k), False, [bn, bk]
-    elif b.dim() == 2 and b.stride(0) == 1:
-        b_mat, kn, block = b.T, True, [bk, bn]
+    k, n = a.shape[1], b.shape[-2]
+    b3 = b if b.dim() == 3 else b[None]
+    if b3.stride(2) == 1:  # K-major: a [G * rows, K] view
+        kn, step, block = False, b3.stride(1), [bn, bk]
+        width = k
+    elif b3.stride(1) == 1 and (b.dim() == 2 or k % bk == 0):  # N-major: a [G * rows, N] view
+        kn, step, block = True, b3.stride(2), [bk, bn]
+        width = n
     else:
         return None
-    if (b_mat.stride(0) * 2) % 16 or b_mat.data_ptr() % 16:
+    if b3.shape[0] > 1 and b3.stride(0) % step:
         return None
-    return TensorDescriptor.from_tensor(a, [bm, bk]), TensorDescriptor.from_tensor(b_mat, block), kn
+    rows = b3.stride(0) // step if b3.shape[0] > 1 else (k if kn else n)
+    b_mat = b3.as_strided((b3.shape[0] * rows, width), (step, 1))
+    if (step * 2) % 16 or b_mat.data_ptr() % 16:
+        return None
+    return TensorDescriptor.from_tensor(a, [bm, bk]), TensorDescriptor.from_tensor(b_mat, block), kn, rows
 
 
 def _check(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, alpha: torch.Tensor) -> None:
@@ -176,9 +186,9 @@ def _launch(a, b, out, alpha, grid, tiles, m, n, k, s_bg, s_alpha, grouped):
         tiles = (a, a, a)  # unused pointers
     tma = None if interpreted or not USE_TMA else _descriptors(a, b, bm, bn, bk)
     if tma is not None:
-        a_desc, b_desc, kn = tma
+        a_desc, b_desc, kn, group_rows = tma
         _scaled_mm_tma_kernel[grid(bm, bn)](a_desc, b_desc, out, alpha, *tiles, m, n, k, out.stride(0), out.stride(1),
-                                            s_alpha, n if grouped else 0, GROUPED=grouped, B_KN=kn,
+                                            s_alpha, group_rows if grouped else 0, GROUPED=grouped, B_KN=kn,
                                             BF16_OUT=out.dtype == torch.bfloat16, BM=bm, BN=bn, BK=bk, GROUP_M=8,
                                             num_warps=_WARPS, num_stages=_STAGES)
         return

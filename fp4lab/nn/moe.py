@@ -11,7 +11,9 @@ Shape legend: T tokens, D model dim, F expert hidden dim, E routed experts, K ex
 Expert GEMMs are grouped: tokens sorted by expert (a stable sort), one GEMM per expert on its
 variable number of rows (``GroupedExperts._expert_mm``, the seam where FP4 plugs in: each
 expert's GEMMs follow the recipe through nn.linear.fp4_linear, with a tensor scale per expert
-operand). The combine un-sorts and sums the K contributions in a fixed order, so the forward is
+operand). On the Triton backend, when every GEMM of the recipe has two FP4 operands, the same
+operands go through nn.grouped.grouped_fp4_linear instead: one launch for all experts' fprop and
+one for their dgrad. The combine un-sorts and sums the K contributions in a fixed order, so the forward is
 deterministic on GPU too (no atomics).
 
 Balancing: each training forward adds the tokens each expert received to ``load_E``;
@@ -32,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..formats.types import _Choice
+from .grouped import grouped_applies, grouped_fp4_linear
 from .linear import QuantContext, fp4_linear
 from .recipe import Recipe
 
@@ -91,6 +94,13 @@ class GroupedExperts(nn.Module):
         return fp4_linear(x_nD, w, None, self.recipe, name=f"{self.name}.{label}", context=self.context)
 
     def forward(self, x_sorted_SD: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        if self.recipe is not None and grouped_applies(self.recipe, x_sorted_SD, self.context):
+            def project(x: torch.Tensor, w: torch.Tensor, label: str) -> torch.Tensor:
+                # expert e is named f"{self.name}.{e}.{label}", as in the loop below
+                return grouped_fp4_linear(x, w, counts, self.recipe, name=self.name, context=self.context,
+                                          label=label)
+            h_SF = F.silu(project(x_sorted_SD, self.w_gate, "gate")) * project(x_sorted_SD, self.w_up, "up")
+            return project(h_SF, self.w_down, "down")
         outs = []
         for e, x_nD in enumerate(x_sorted_SD.split(counts)):
             if x_nD.shape[0] == 0:

@@ -51,9 +51,9 @@ def test_nan_and_inf_propagate():
     assert torch.equal(out.isnan(), ref.isnan()) and torch.equal(out.isinf(), ref.isinf())
 
 
-@pytest.mark.parametrize("sizes", [[10, 0, 45, 15], [0, 0, 3], [64]])
-def test_grouped_is_one_scaled_mm_per_group(sizes):
-    s, n, k = sum(sizes), 50, 96
+@pytest.mark.parametrize("sizes,k", [([10, 0, 45, 15], 96), ([0, 0, 3], 64), ([64], 128), ([300, 7], 128)])
+def test_grouped_is_one_scaled_mm_per_group(sizes, k):
+    s, n = sum(sizes), 50
     a, _ = _operands(s, n, k, sum(sizes))
     g = torch.Generator().manual_seed(5)
     b = torch.randn(len(sizes), n, k, generator=g).bfloat16()
@@ -68,6 +68,17 @@ def test_grouped_is_one_scaled_mm_per_group(sizes):
         start += size
     one = grouped_scaled_mm(a.to(DEVICE), b.to(DEVICE), sizes, torch.tensor(2.0, device=DEVICE)).cpu()
     assert one.shape == (s, n)  # a single alpha for every group
+    # B stored N-major per group (a transposed view), and B rows sliced out of padded storage
+    b_nmajor = b.transpose(1, 2).contiguous().transpose(1, 2)
+    b_sliced = torch.cat([b, torch.full((len(sizes), 14, k), float("nan")).bfloat16()], 1)[:, :n]
+    for other in (b_nmajor, b_sliced):
+        got = grouped_scaled_mm(a.to(DEVICE), other.to(DEVICE), sizes, alpha.to(DEVICE), out_dtype=torch.float32)
+        start = 0
+        for e, size in enumerate(sizes):
+            rows = slice(start, start + size)
+            ref = (a[rows].double() @ b[e].double().T) * float(alpha[e])
+            assert bool(((got[rows].cpu().double() - ref).abs() <= _bound(a[rows], b[e], alpha[e])).all())
+            start += size
 
 
 def test_bad_arguments_are_refused():
