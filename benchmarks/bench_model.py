@@ -3,10 +3,10 @@
     python benchmarks/bench_model.py [--model d12] [--batch 16] [--seq 1024]
 
 Each arm: the same model and batch under bf16 autocast; fp4lab.nn.quantize_model applies the
-recipe (Triton quantizers and the two-stage FP4 GEMM on CUDA). Reports tokens/s and the step
+recipe (Triton quantizers writing BF16 block values and kernels.matmul's GEMMs on CUDA). Reports tokens/s and the step
 time over BF16's (lower is better), median of timed steps after warmup (host time included:
-this is what a training run sees). Writes benchmarks/results/model.json and the model_* keys of
-latest.json.
+this is what a training run sees). Writes benchmarks/results/model.json (d12; other models
+model_<name>.json) and the matching keys of latest.json.
 """
 
 from __future__ import annotations
@@ -66,8 +66,9 @@ def main() -> None:
         print(f"{args.model} {arm:12s} {ms:8.1f} ms/step  {rows[arm]['tokens_per_s']:9.0f} tok/s  "
               f"x{rows[arm]['over_bf16'] or 1:.2f} of bf16", flush=True)
     payload = {**environment(), "model": args.model, "batch": args.batch, "seq": args.seq, "arms": rows}
-    keys = {f"model_{arm}_step_over_bf16": r["over_bf16"] for arm, r in rows.items() if arm != "bf16"}
-    save("model", payload, keys)
+    name = "model" if args.model == "d12" else f"model_{args.model.replace('-', '_')}"
+    keys = {f"{name}_{arm}_step_over_bf16": r["over_bf16"] for arm, r in rows.items() if arm != "bf16"}
+    save(name, payload, keys)
 
 
 if __name__ == "__main__":

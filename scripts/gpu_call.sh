@@ -42,6 +42,9 @@ for phase in "$@"; do
          done
          python3 -m fp4lab report results/gpt-d12/bf16 results/gpt-d12/nvfp4 --out results/gpt-d12 --title "d12 GPT" ;;
     kernel-tests) python3 -m pytest tests/kernels tests/nn -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest_kernels_nn_gpu.log" | tail -3 ;;
+    model) timeout "$(left)" python3 benchmarks/bench_model.py --arms bf16 nvfp4 mxfp4 2>&1 | tee "$OUT/bench_model.log" | tail -4
+           timeout "$(left)" python3 benchmarks/bench_model.py --model moe64 --batch 8 --seq 1024 --arms bf16 nvfp4 \
+             --steps 10 2>&1 | tee "$OUT/bench_model_moe64.log" | tail -3 ;;
     sweep) timeout "$(left)" python3 benchmarks/sweep_quantize.py 2>&1 | tee "$OUT/sweep_quantize.log" | tail -45 ;;
     bench:*) name=${phase#bench:}  # benchmarks/bench_NAME.py; a "+" passes --compiled to bench_linear
          flag=""; [ "$name" = "linear+" ] && { name=linear; flag=--compiled; }
