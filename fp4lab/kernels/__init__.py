@@ -121,9 +121,11 @@ def values_mm(a: BlockValues, b: BlockValues, *, out_dtype: torch.dtype = torch.
     if a.values.shape[1] != b.values.shape[1]:
         raise ValueError(f"K mismatch: {tuple(a.values.shape)} and {tuple(b.values.shape)}")
     scale = operand_alpha(a, b)
-    if uses_triton(a.values, backend) and out_dtype in (torch.float32, torch.bfloat16):
-        from .matmul import scaled_mm
-        return scaled_mm(a.matrix, b.matrix, scale, out_dtype=out_dtype)
+    if uses_triton(a.values, backend):
+        if out_dtype in (torch.float32, torch.bfloat16):
+            from .matmul import scaled_mm
+            return scaled_mm(a.matrix, b.matrix, scale, out_dtype=out_dtype)
+        _warn_once(f"fp4lab.kernels.values_mm writes float32 or bfloat16; {out_dtype} runs the reference matmul")
     return ((a.matrix.to(torch.float32) @ b.matrix.to(torch.float32).T) * scale).to(out_dtype)
 
 

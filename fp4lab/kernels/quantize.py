@@ -350,6 +350,9 @@ def _nvfp4(x: torch.Tensor, out_values: bool, *, axis: int = -1, block: int | tu
         h_seed = _kernel_seed(hadamard_seed) if signs is HadamardSigns.RANDOM else 0
         if x.dtype not in (torch.float32, torch.bfloat16) or x.shape[axis] % 16:
             from .. import formats  # fp16 rounding / ragged axes: the reference's path and errors
+            from . import _warn_once
+            _warn_once("fp4lab.kernels: the fused Hadamard quantize covers float32/bfloat16 inputs whose "
+                       "block axis is a multiple of 16; this call runs the (slower) reference")
             q = formats.quantize_nvfp4(x, axis=axis, block=block2, rounding=rounding, seed=seed, profile=profile,
                                        global_amax=global_amax, pad=pad, hadamard=signs, hadamard_seed=hadamard_seed)
             return BlockValues.of(q) if out_values else q

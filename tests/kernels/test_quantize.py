@@ -160,3 +160,16 @@ def test_bad_input_errors_come_from_the_shared_checks():
         kernels.quantize_nvfp4(torch.randn(3, 20, device=DEVICE), backend="triton")
     with pytest.raises(TypeError, match="int64"):
         kernels.quantize_mxfp4(torch.ones(3, 32, dtype=torch.int64, device=DEVICE), backend="triton")
+
+
+def test_uncovered_shapes_fall_back_to_the_reference_with_one_warning():
+    import warnings
+    from fp4lab.kernels import _warned
+    _warned.clear()
+    x = torch.randn(32, 48, dtype=torch.float16)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(2):  # fp16 input to the fused Hadamard: the reference's path, the same bytes
+            assert_same(kernels.quantize_nvfp4(x.to(DEVICE), hadamard="te", backend="triton"),
+                        formats.quantize_nvfp4(x, hadamard="te"))
+    assert len([w for w in seen if "reference" in str(w.message)]) == 1
