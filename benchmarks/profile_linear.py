@@ -1,10 +1,11 @@
 """Where an NVFP4 linear fwd+bwd spends its GPU time: torch.profiler's kernel table for one step.
 
-    python benchmarks/profile_linear.py [--m 8192 --k 4096 --n 4096]
+    python benchmarks/profile_linear.py [--m 8192 --k 4096 --n 4096] [--host]
 
 Prints the kernels of one fp4_linear forward + backward (nvfp4 preset, bf16 x, W, dy) by total
 CUDA time, after warm-up, and the same for the BF16 layer; writes
-benchmarks/results/profile_linear.txt. Complements bench_linear.py's ratio with the why.
+benchmarks/results/profile_linear.txt. With --host: cProfile of 50 steps by own time, for the
+host side (profile_linear_host.txt). Complements bench_linear.py's ratio with the why.
 """
 
 from __future__ import annotations
@@ -31,13 +32,38 @@ def table(step, x, w, dy) -> str:
     return prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70)
 
 
+def host_table(step, x, w, dy, calls: int = 50) -> str:
+    """cProfile of ``calls`` steps, by own time: where the host spends its time per step."""
+    import cProfile
+    import io
+    import pstats
+    for _ in range(3):
+        step(x, w, dy)
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        step(x, w, dy)
+    torch.cuda.synchronize()
+    prof.disable()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(30)
+    return out.getvalue()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--m", type=int, default=8192)
     parser.add_argument("--k", type=int, default=4096)
     parser.add_argument("--n", type=int, default=4096)
+    parser.add_argument("--host", action="store_true", help="profile the host side (cProfile) instead")
     args = parser.parse_args()
     x, w, dy = tensors(args.m, args.k, args.n)
+    if args.host:
+        text = host_table(nvfp4_step, x, w, dy)
+        print(text)
+        (RESULTS / "profile_linear_host.txt").write_text(text)
+        return
     text = (f"M={args.m} K={args.k} N={args.n}, {torch.cuda.get_device_name()}\n\n== nvfp4\n"
             f"{table(nvfp4_step, x, w, dy)}\n== bf16\n{table(bf16_step, x, w, dy)}\n")
     print(text)
