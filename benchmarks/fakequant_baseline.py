@@ -10,8 +10,8 @@ them back to BF16, and runs three BF16 GEMMs (no fp4lab.kernels anywhere)::
     dgrad  dx = dy @ W       dy: 1x16 SR (seed 1);   W: 16x16 RTNE along N (axis 0)
     wgrad  dW = dy^T @ x     dy (SR, seed 2) and x (RTNE), along M after the 16-point RHT (TE signs)
 
-What made ``torch.compile(step)`` impractical (torch 2.11-2.13; formats has no graph break or
-host sync on this path: one graph of ~1300 ops, no recompiles):
+What made ``torch.compile(step)`` impractical (formats has no graph break or host sync on this
+path: torch 2.13's explain gives one graph of 1335 ops, no recompiles; over 6 min on an H100):
 
 1. Stochastic rounding's Philox (rng.random_bytes): ten rounds of int64 ops on a counter made by
    ``torch.arange`` read no buffer, so Inductor never materializes an intermediate and inlines
@@ -22,16 +22,20 @@ host sync on this path: one graph of ~1300 ops, no recompiles):
    same bytes, compiled in seconds.
 2. The 16-point RHT (formats.hadamard_transform) compiled by Inductor for CUDA gives wrong values
    (torch 2.11 + Triton 3.6 on H100: elements 4 and 12 of every 16-chunk, relative error up to
-   1e7, from 1024x1024 up; right at 256x256 and on CPU). So the RHT runs eagerly (``_rht``) and
+   1e7, at 1024x1024, 64x4096, 8192x64 and 8192x4096; right at 64x64, 256x256 and on CPU). So the RHT runs eagerly (``_rht``) and
    only the quantization of the rotated tensor is compiled; quantize_nvfp4(hadamard="te") does
    exactly that rotation first, so the operands are the same bits.
-3. Not a compile-time cost but a bitwise one: Triton's default fp32 division is approximate;
-   ``_exact_division`` asks Inductor for eager's IEEE division.
+
+Bitwise check (``main``): CPU (torch 2.13, 256^3) y, dx, dW and all six operands equal eager.
+H100 (torch 2.11, Triton 3.6, 8192 x 4096 x 4096): y, dx and five operands equal; wgrad's x differs
+in 2731 of 33.5M elements, each one E2M1 step at a tie (0.238 eager vs 0.477 compiled), so dW
+differs. Inductor's eager-division option (div_rn for fp32 x / y) did not remove it; cause open.
 
 Each operand's fake quantization is its own named function, compiled separately with
-``fullgraph=True, dynamic=False``: six graphs of ~200 ops, one cache entry each (a distinct code
+``fullgraph=True, dynamic=False``: six small graphs, one cache entry each (a distinct code
 object per operand, so no recompiles on guards over kwargs or seeds) and static shapes. The GEMMs
-stay eager, which is what Inductor would emit anyway (extern mm).
+stay eager, which is what Inductor would emit anyway (extern mm). Compile + first call: 26-37 s
+on the H100 at 8192 x 4096 x 4096 (cold cache), 23-28 s on a 2-core CPU at 256^3.
 
 Public: ``make_fakequant_step``, ``fakequant_step`` (the eager reference: six quantize_nvfp4 calls).
 """
@@ -137,22 +141,11 @@ def fakequant_step(x, w, dy):
     return x_fprop @ w_fprop.T, dy_dgrad @ w_dgrad, dy_wgrad.T @ x_wgrad
 
 
-def _exact_division() -> dict:
-    """Inductor option: fp32 x / y as IEEE division (Triton's div_rn), as eager computes it.
-
-    By default Triton lowers it to the approximate div.full.f32, which moves e_b = 1 / (s_b * S_dec)
-    by an ulp: 2731 of 33.5M wgrad x codes (8192 x 4096) then round across an E2M1 tie."""
-    if hasattr(torch._inductor.config, "eager_numerics"):  # torch >= 2.12
-        return {"eager_numerics.division_rounding": True}
-    return {"emulate_divison_rounding": True}  # (sic) torch <= 2.11
-
-
 def make_fakequant_step():
     """-> (x, w, dy) -> (y, dx, dw): the step with each operand's fake quantization compiled.
 
     Compiling happens on the first call (per shape and device)."""
-    compiled = tuple(torch.compile(f, fullgraph=True, dynamic=False, options=_exact_division())
-                     for f in OPERANDS)
+    compiled = tuple(torch.compile(f, fullgraph=True, dynamic=False) for f in OPERANDS)
     return functools.partial(_step, compiled)  # .args[0]: the compiled operand functions
 
 
