@@ -22,9 +22,9 @@ path: torch 2.13's explain gives one graph of 1335 ops, no recompiles; over 6 mi
    same bytes, compiled in seconds.
 2. The 16-point RHT (formats.hadamard_transform) compiled by Inductor for CUDA gives wrong values
    (torch 2.11 + Triton 3.6 on H100: elements 4 and 12 of every 16-chunk, relative error up to
-   1e7, at 1024x1024, 64x4096, 8192x64 and 8192x4096; right at 64x64, 256x256 and on CPU). So the RHT runs eagerly (``_rht``) and
-   only the quantization of the rotated tensor is compiled; quantize_nvfp4(hadamard="te") does
-   exactly that rotation first, so the operands are the same bits.
+   1e7, at 1024x1024, 64x4096, 8192x64 and 8192x4096; right at 64x64, 256x256 and on CPU).
+   So the RHT runs eagerly (``_rht``) and only the quantization of the rotated tensor is
+   compiled; quantize_nvfp4(hadamard="te") does exactly that rotation first (same bits).
 
 Bitwise check (``main``): CPU (torch 2.13, 256^3) y, dx, dW and all six operands equal eager.
 H100 (torch 2.11, Triton 3.6, 8192 x 4096 x 4096): y, dx and five operands equal; wgrad's x differs
