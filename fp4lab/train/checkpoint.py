@@ -6,13 +6,14 @@ A checkpoint is a directory:
     state.json          step, the run's identity (model config, recipe, data identity, seed,
                         world size), the metrics so far, and the sha256 of the two files above
 Writes are atomic: everything goes to a sibling temporary directory, is flushed, and then
-renamed over the old checkpoint, so an interrupted save leaves the previous checkpoint intact.
+renamed over the old checkpoint, so an interrupted save leaves the previous checkpoint intact
+(moved aside for an instant: ``recover_interrupted_save`` puts it back if the save died there).
 Loading checks, before touching the model: that the files exist and their hashes match (a
 truncated or corrupt file is an error, never a partial load), that the identity equals the
 current run's (a checkpoint of another recipe or model is refused with the differing keys),
 and that the state dict's keys and shapes match exactly.
 
-Public: ``save_checkpoint``, ``load_checkpoint``, ``CheckpointError``.
+Public: ``save_checkpoint``, ``load_checkpoint``, ``recover_interrupted_save``, ``CheckpointError``.
 """
 
 from __future__ import annotations
@@ -70,6 +71,22 @@ def save_checkpoint(path: Path, model: nn.Module, optimizers: list[torch.optim.O
     tmp.rename(path)
     shutil.rmtree(old, ignore_errors=True)
     return path
+
+
+def recover_interrupted_save(path: Path) -> bool:
+    """If a save was cut off between its two renames (the previous checkpoint moved aside to
+    ``.NAME.old-PID``, the new one not yet in place), put the previous checkpoint back -> whether
+    one was restored. Safe to call from several ranks at once."""
+    path = Path(path)
+    if path.exists():
+        return False
+    for old in sorted(path.parent.glob(f".{path.name}.old-*"), key=lambda p: p.stat().st_mtime, reverse=True):
+        try:
+            old.rename(path)
+            return True
+        except OSError:  # another rank restored it first
+            return path.exists()
+    return False
 
 
 def _diff(saved: Any, current: Any, prefix: str = "") -> list[str]:

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from ..nn import GPT, StictionMeter, load_recipe, model_config, quantize_model
-from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint import load_checkpoint, recover_interrupted_save, save_checkpoint
 from .corpus import CORPORA, default_dataset
 from .data import TokenStream, dataset_meta, load_tokens
 from .optim import build_optimizers, lr_multiplier
@@ -194,6 +194,8 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> dict[str, Any]:
                 "model": mcfg.to_dict(), "recipe": recipe.to_dict(), "data": data_info["identity"], "world": world}
 
     start, evals, train_curve, flips, wall_before = 0, [], [], [], 0.0
+    if resume:
+        recover_interrupted_save(out / "checkpoint")
     if resume and (out / "checkpoint").exists():
         state = load_checkpoint(out / "checkpoint", model, optimizers, identity=identity)
         start, evals, train_curve, wall_before = state["step"], state["evals"], state["train"], state["wall_s"]
@@ -311,7 +313,9 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> dict[str, Any]:
         "flip_rate": flips,
     }
     if rank == 0:
-        (out / "receipt.json").write_text(json.dumps(receipt, indent=1))
+        tmp = out / f".receipt.json.tmp-{os.getpid()}"  # atomic: a reader never sees half a receipt
+        tmp.write_text(json.dumps(receipt, indent=1))
+        os.replace(tmp, out / "receipt.json")
     if status == "diverged" and rank == 0:
         print(message)
     if world > 1:

@@ -100,6 +100,36 @@ def test_an_interrupted_save_leaves_the_previous_checkpoint(token_file, tmp_path
     assert (tmp_path / "run" / "checkpoint" / "state.json").read_text() == before
 
 
+def test_a_save_cut_between_its_renames_is_recovered_on_resume(token_file, tmp_path, monkeypatch):
+    """The crash window of an atomic save: the previous checkpoint moved aside, the new one not yet
+    in place. --resume puts the previous one back and continues exactly as an uninterrupted run."""
+    from pathlib import Path
+
+    from fp4lab.train import checkpoint as ckpt_mod
+    full = train(_cfg(token_file, tmp_path / "full", steps=8, eval_every=4, ckpt_every=4))
+    train(_cfg(token_file, tmp_path / "run", steps=8, eval_every=4, ckpt_every=4, stop_at=4))
+    real_rename = Path.rename
+
+    def crash_after_moving_aside(self, target):
+        result = real_rename(self, target)
+        if ".old-" in Path(target).name:
+            raise KeyboardInterrupt("killed between the renames")
+        return result
+    monkeypatch.setattr(Path, "rename", crash_after_moving_aside)
+    with pytest.raises(KeyboardInterrupt):
+        train(_cfg(token_file, tmp_path / "run", steps=8, eval_every=4, ckpt_every=4), resume=True)
+    monkeypatch.undo()
+    assert not (tmp_path / "run" / "checkpoint").exists()  # the window the test is about
+    from fp4lab.train import loop as loop_mod
+    loaded = []
+    real_load = loop_mod.load_checkpoint
+    monkeypatch.setattr(loop_mod, "load_checkpoint", lambda *a, **k: loaded.append(real_load(*a, **k)) or loaded[-1])
+    resumed = train(_cfg(token_file, tmp_path / "run", steps=8, eval_every=4, ckpt_every=4), resume=True)
+    assert [state["step"] for state in loaded] == [4]  # continued from the restored checkpoint
+    assert resumed["final"] == full["final"] and resumed["evals"] == full["evals"]
+    assert not list((tmp_path / "run").glob(".checkpoint.old-*"))
+
+
 def test_divergence_stops_the_run_and_keeps_the_last_good_checkpoint(token_file, tmp_path):
     receipt = train(_cfg(token_file, tmp_path / "run", steps=40, lr=30.0, clip=0.0, warmup=1, ckpt_every=1,
                          diverge_loss=8.0))
