@@ -21,6 +21,8 @@ Public: ``Arm``, ``Scale``, ``Study``, ``Verdict``, ``arm_configs``, ``run_study
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import math
 import multiprocessing
@@ -91,6 +93,14 @@ class Study:
 def arm_configs(study: Study, scale: Scale, out: Path, *, seeds: tuple[int, ...] | None = None,
                 **changes: Any) -> list[TrainConfig]:
     """One TrainConfig per (seed, arm), seed-major (``changes``: TrainConfig fields for all)."""
+    owned = {"seed": "use --seeds", "out": "use --out", "recipe": "arms choose recipes",
+             "recipe_overrides": "arms choose recipes", "progress": "the runner sets it"}
+    for key in changes:
+        if key in owned:
+            raise ValueError(f"{key} is set by the study runner, not by --set ({owned[key]})")
+        if key not in {f.name for f in dataclasses.fields(TrainConfig)}:
+            raise ValueError(f"unknown training setting {key!r}; TrainConfig has: "
+                             + ", ".join(sorted(f.name for f in dataclasses.fields(TrainConfig))))
     base = {**(scale.moe if study.moe else scale.dense), **study.train, **changes}
     configs = []
     for seed in seeds or scale.seeds:

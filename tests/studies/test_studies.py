@@ -136,3 +136,12 @@ def test_cli_lists_studies_and_refuses_unknown_ones(capsys, tmp_path):
     assert main(["study", "nonsense"]) == 2
     assert "unknown study 'nonsense'" in capsys.readouterr().err
     assert main(["study", "formats", "--report-only", "--out", str(tmp_path)]) == 2
+
+
+def test_set_refuses_runner_owned_and_unknown_settings(tmp_path):
+    study, smoke = STUDIES["formats"], SCALES["smoke"]
+    with pytest.raises(ValueError, match="set by the study runner.*--seeds"):
+        arm_configs(study, smoke, tmp_path, seed=3)
+    with pytest.raises(ValueError, match="unknown training setting 'stepz'.*steps"):
+        arm_configs(study, smoke, tmp_path, stepz=3)
+    assert {c.steps for c in arm_configs(study, smoke, tmp_path, steps=5)} == {5}
