@@ -145,13 +145,29 @@ def run_study(study: Study, scale: Scale, out: Path, *, seeds: tuple[int, ...] |
     return configs
 
 
+# settings that may differ between the runs of one study: the arm's own, the seed, the folder
+_PER_RUN = {"seed", "out", "recipe", "recipe_overrides", "progress"}
+
+
 def load_study(study: Study, out: Path) -> dict[str, list[dict]]:
-    """{arm: receipts over the seeds found on disk} (arms with no finished run are left out)."""
+    """{arm: receipts over the seeds found on disk} (arms with no finished run are left out).
+    Runs made at another scale or with other --set values (left in the same folder) are refused
+    with the settings that differ, never averaged in."""
     found = {}
     for arm in study.arms:
         runs = sorted(Path(out).glob(f"{arm.name}-seed*/receipt.json"))
         if runs:
             found[arm.name] = load_receipts(runs)
+    shared = {}
+    for arm in study.arms:
+        for receipt in found.get(arm.name, []):
+            config = {k: v for k, v in receipt["config"].items() if k not in _PER_RUN and k not in arm.train}
+            for key, value in config.items():
+                first = shared.setdefault(key, (value, receipt["name"]))
+                if first[0] != value:
+                    raise ValueError(f"{out}: runs of different settings in one folder: {key} is {first[0]!r} in "
+                                     f"{first[1]} but {value!r} in {receipt['name']} (another --scale or --set?); "
+                                     "use a fresh --out per scale")
     return found
 
 
