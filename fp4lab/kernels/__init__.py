@@ -95,7 +95,8 @@ def dequantize(q: FP4Tensor, dtype: torch.dtype = torch.float32, *,
 def fp4_mm(qa: FP4Tensor, qb: FP4Tensor, *, out_dtype: torch.dtype = torch.float32,
            backend: str | Backend | None = None, **kwargs) -> torch.Tensor:
     """C = A @ B^T from FP4 operands (formats.gemm's conventions): Triton/cuBLAS on CUDA
-    (kernels.gemm.fp4_mm, ``method=`` "auto" | "fused" | "two_stage"), formats.emulated_mm otherwise."""
+    (kernels.gemm.fp4_mm, ``method=`` "auto" | "decoded" | "fused" | "two_stage"; auto is decoded
+    on CUDA), formats.emulated_mm otherwise."""
     if uses_triton(qa.codes, backend):
         from .gemm import fp4_mm as fast
         return fast(qa, qb, out_dtype=out_dtype, **kwargs)
@@ -120,6 +121,8 @@ def values_mm(a: BlockValues, b: BlockValues, *, out_dtype: torch.dtype = torch.
     operations (fp32 matmul of the exact values, then alpha, then the cast)."""
     if a.values.shape[1] != b.values.shape[1]:
         raise ValueError(f"K mismatch: {tuple(a.values.shape)} and {tuple(b.values.shape)}")
+    if (a.tensor_scale is None) != (b.tensor_scale is None):  # NVFP4 carries a tensor scale, MXFP4 none
+        raise ValueError("values_mm operands must share a format (one is NVFP4, the other MXFP4)")
     scale = operand_alpha(a, b)
     if uses_triton(a.values, backend):
         if out_dtype in (torch.float32, torch.bfloat16):

@@ -159,9 +159,10 @@ def _descriptors(a: torch.Tensor, b: torch.Tensor, bm: int, bn: int, bk: int):
         width = n
     else:
         return None
-    if b3.shape[0] > 1 and b3.stride(0) % step:
+    needed = k if kn else n  # rows of the 2D view that one group's B spans
+    if b3.shape[0] > 1 and (b3.stride(0) % step or b3.stride(0) < needed * step):  # expanded or overlapping
         return None
-    rows = b3.stride(0) // step if b3.shape[0] > 1 else (k if kn else n)
+    rows = b3.stride(0) // step if b3.shape[0] > 1 else needed
     b_mat = b3.as_strided((b3.shape[0] * rows, width), (step, 1))
     if (step * 2) % 16 or b_mat.data_ptr() % 16:
         return None
@@ -245,6 +246,6 @@ def grouped_scaled_mm(a: torch.Tensor, b: torch.Tensor, sizes: Sequence[int], al
     tiles = torch.tensor([tile_group, tile_row], dtype=torch.int32).to(a.device, non_blocking=True)
     group_end = torch.tensor(ends, dtype=torch.int32).to(a.device, non_blocking=True)
     s_alpha = 1 if alpha.numel() > 1 else 0
-    _launch(a, b, out, alpha.reshape(-1), lambda _bm, bn: (len(tile_group) * triton.cdiv(n, bn),),
+    _launch(a, b, out, alpha.reshape(-1).contiguous(), lambda _bm, bn: (len(tile_group) * triton.cdiv(n, bn),),
             (tiles[0], tiles[1], group_end), s, n, k, b.stride(0), s_alpha, True)
     return out

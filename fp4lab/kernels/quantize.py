@@ -372,7 +372,7 @@ def _nvfp4(x: torch.Tensor, out_values: bool, *, axis: int = -1, block: int | tu
     codes, scales, axis = _launch(x, axis, block2, pad, rule, amax, s_dec, rounding is Rounding.STOCHASTIC,
                                   _seed(rounding, seed), rotation, h_seed, out_values=out_values)
     if out_values:
-        return BlockValues(codes.view(torch.bfloat16), s_dec, _logical_rows(x, axis))
+        return BlockValues(codes.view(torch.bfloat16).reshape(-1, codes.shape[-1]), s_dec, _logical_rows(x, axis))
     return FP4Tensor(codes=codes, scales=scales.view(torch.float8_e4m3fn), tensor_scale=s_dec,
                      shape=x.shape, axis=axis, block=block2, format=Format.NVFP4, rounding=rounding,
                      profile=profile)
@@ -396,7 +396,7 @@ def mxfp4_block_values(x: torch.Tensor, *, axis: int = -1, mode: str | MXScaleMo
     mode, rounding = MXScaleMode.parse(mode), Rounding.parse(rounding)
     values, _, axis = _launch(x, axis, (1, MX_BLOCK), pad, MX_RULES[mode], None, None,
                               rounding is Rounding.STOCHASTIC, _seed(rounding, seed), out_values=True)
-    return BlockValues(values.view(torch.bfloat16), None, _logical_rows(x, axis))
+    return BlockValues(values.view(torch.bfloat16).reshape(-1, values.shape[-1]), None, _logical_rows(x, axis))
 
 
 def _logical_rows(x: torch.Tensor, axis: int) -> int:

@@ -33,12 +33,16 @@ def grouped_applies(recipe: Recipe, x: torch.Tensor, context: QuantContext) -> b
     return both and not context.collect and kernels.uses_triton(x)
 
 
-def _grouped(a: list, b: list, sizes: list[int], out_dtype: torch.dtype) -> torch.Tensor:
-    """Rows of group g: A_g @ B_g^T, from BlockValues pairs along the same K, in one launch."""
+def _grouped(a: list, b: list, sizes: list[int], shape: tuple[int, int], like: torch.Tensor) -> torch.Tensor:
+    """Rows of group g: A_g @ B_g^T, from BlockValues pairs along the same K, in one launch ->
+    ``shape`` in like's dtype (fp16 via an fp32 result, as run_gemm does; zeros when no group has rows)."""
+    if not a:
+        return like.new_zeros(shape)
     a_all = torch.cat([v.matrix for v in a])
     b_all = torch.stack([v.matrix for v in b])
     alpha = torch.stack([operand_alpha(va, vb) for va, vb in zip(a, b)])
-    return grouped_scaled_mm(a_all, b_all, sizes, alpha, out_dtype=out_dtype)
+    out_dtype = torch.float32 if like.dtype == torch.float16 else like.dtype
+    return grouped_scaled_mm(a_all, b_all, sizes, alpha, out_dtype=out_dtype).to(like.dtype)
 
 
 class _GroupedFP4Fn(torch.autograd.Function):
@@ -53,10 +57,11 @@ class _GroupedFP4Fn(torch.autograd.Function):
             w_src[e] = dither(weight[e], spec, calls[e].seed("fprop", "d")) if spec.dither else weight[e]
         w_fprop = {e: calls[e].operand(w_src[e], 1, "fprop", "b") for e in live}
         y = _grouped([calls[e].operand(xs[e], 1, "fprop", "a") for e in live], [w_fprop[e] for e in live],
-                     [counts[e] for e in live], x.dtype)
+                     [counts[e] for e in live], (x.shape[0], weight.shape[1]), x)
         ctx.save_for_backward(x, weight)
         ctx.counts, ctx.calls, ctx.live, ctx.w_src = counts, calls, live, w_src
-        ctx.w_fprop = w_fprop if live and calls[live[0]].dgrad_reuses_fprop_weight() else None
+        reuse = live and calls[live[0]].dgrad_reuses_fprop_weight() and ctx.needs_input_grad[0]
+        ctx.w_fprop = w_fprop if reuse else None
         return y
 
     @staticmethod
@@ -70,7 +75,7 @@ class _GroupedFP4Fn(torch.autograd.Function):
             k = weight.shape[2]
             w_ops = [ctx.w_fprop[e].transposed(k) if ctx.w_fprop is not None
                      else calls[e].operand(ctx.w_src[e], 0, "dgrad", "b") for e in live]
-            dx = _grouped([calls[e].operand(dys[e], 1, "dgrad", "a") for e in live], w_ops, sizes, dy.dtype)
+            dx = _grouped([calls[e].operand(dys[e], 1, "dgrad", "a") for e in live], w_ops, sizes, tuple(x.shape), dy)
         if ctx.needs_input_grad[1]:  # wgrad: dW_e = dy_e^T @ x_e, contraction over the expert's rows
             dw = torch.zeros_like(weight)
             for e in live:

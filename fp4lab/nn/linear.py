@@ -105,7 +105,7 @@ class _FP4LinearFn(torch.autograd.Function):
             y = F.linear(x, w_src, bias)
         ctx.save_for_backward(x, weight, w_src if w_src is not weight else None)
         ctx.call, ctx.has_bias = call, bias is not None
-        reuse = isinstance(w_fprop, BlockValues) and call.dgrad_reuses_fprop_weight()
+        reuse = isinstance(w_fprop, BlockValues) and call.dgrad_reuses_fprop_weight() and ctx.needs_input_grad[0]
         ctx.w_values = w_fprop if reuse else None
         return y
 

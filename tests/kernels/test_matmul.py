@@ -66,8 +66,22 @@ def test_grouped_is_one_scaled_mm_per_group(sizes, k):
         ref = (a[rows].double() @ b[e].double().T) * float(alpha[e])
         assert bool(((out[rows].double() - ref).abs() <= _bound(a[rows], b[e], alpha[e])).all())
         start += size
-    one = grouped_scaled_mm(a.to(DEVICE), b.to(DEVICE), sizes, torch.tensor(2.0, device=DEVICE)).cpu()
-    assert one.shape == (s, n)  # a single alpha for every group
+    one = grouped_scaled_mm(a.to(DEVICE), b.to(DEVICE), sizes, torch.tensor(2.0, device=DEVICE),
+                            out_dtype=torch.float32).cpu()
+    unit = grouped_scaled_mm(a.to(DEVICE), b.to(DEVICE), sizes, torch.ones(len(sizes), device=DEVICE),
+                             out_dtype=torch.float32).cpu()
+    assert torch.equal(one, 2 * unit)  # a single alpha for every group (x2 is exact)
+    strided = torch.stack([alpha, torch.full_like(alpha, 100.0)], 1)[:, 0]  # a view with stride 2
+    got = grouped_scaled_mm(a.to(DEVICE), b.to(DEVICE), sizes, strided.to(DEVICE), out_dtype=torch.float32).cpu()
+    assert torch.equal(got, out)
+    shared = grouped_scaled_mm(a.to(DEVICE), b[:1].expand_as(b).to(DEVICE), sizes, alpha.to(DEVICE),
+                               out_dtype=torch.float32).cpu()  # one B for all groups, stride 0
+    start = 0
+    for e, size in enumerate(sizes):
+        rows = slice(start, start + size)
+        ref = (a[rows].double() @ b[0].double().T) * float(alpha[e])
+        assert bool(((shared[rows].double() - ref).abs() <= _bound(a[rows], b[0], alpha[e])).all())
+        start += size
     # B stored N-major per group (a transposed view), and B rows sliced out of padded storage
     b_nmajor = b.transpose(1, 2).contiguous().transpose(1, 2)
     b_sliced = torch.cat([b, torch.full((len(sizes), 14, k), float("nan")).bfloat16()], 1)[:, :n]

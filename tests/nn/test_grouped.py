@@ -57,3 +57,21 @@ def test_grouped_path_is_chosen_only_where_it_applies(monkeypatch):
     assert not grouped_applies(nvfp4().override({"bf16_after": 0.5}), x, QuantContext(progress=0.9))
     monkeypatch.setenv("FP4LAB_BACKEND", "reference")
     assert not grouped_applies(nvfp4(), x, QuantContext())
+
+
+def test_fp16_and_no_rows_at_all(monkeypatch):
+    """fp16 compute (results via fp32, as the per-expert loop) and a batch routed to no expert rows."""
+    from fp4lab.nn.grouped import grouped_fp4_linear
+    monkeypatch.setenv("FP4LAB_BACKEND", "triton")
+    torch.manual_seed(1)
+    w = (torch.randn(3, 32, 64, device=DEVICE) * 0.1).half().requires_grad_()
+    x = torch.randn(16, 64, device=DEVICE).half().requires_grad_()
+    y = grouped_fp4_linear(x, w, [5, 0, 11], nvfp4(), name="e", context=QuantContext())
+    assert y.dtype == torch.float16 and y.shape == (16, 32) and bool(y.isfinite().all())
+    y.float().sum().backward()
+    assert x.grad.shape == x.shape and w.grad.shape == w.shape and float(w.grad[1].abs().max()) == 0
+    empty = torch.zeros(0, 64, device=DEVICE, requires_grad=True)
+    y0 = grouped_fp4_linear(empty, w, [0, 0, 0], nvfp4(), name="e", context=QuantContext())
+    assert y0.shape == (0, 32)
+    y0.sum().backward()
+    assert empty.grad.shape == (0, 64)

@@ -68,7 +68,9 @@ def _same(a, b):
     """a: an operand as the layer made it (a tensor, FP4Tensor or BlockValues), b: by hand."""
     if isinstance(a, BlockValues):
         want = BlockValues.of(b)
-        assert a.rows == want.rows and torch.equal(a.matrix.cpu(), want.matrix.cpu())
+        got, ref = a.matrix.cpu().float(), want.matrix.cpu().float()  # NaN blocks compare as NaN
+        assert a.rows == want.rows and torch.equal(got.isnan(), ref.isnan())
+        assert torch.equal(got.nan_to_num(0.5), ref.nan_to_num(0.5))
         assert (a.tensor_scale is None and want.tensor_scale is None) or \
             torch.equal(a.tensor_scale.cpu(), want.tensor_scale.cpu())
         return
@@ -194,13 +196,17 @@ def test_mismatched_shapes_are_rejected():
         fp4_linear(torch.randn(4, 32), torch.randn(8, 48), None, nvfp4())
 
 
-def test_triton_path_gives_the_reference_bytes(monkeypatch):
-    """Under TRITON_INTERPRET=1 (CI) or on CUDA: the Triton quantizers feed the same operands."""
+@pytest.mark.parametrize("n,k", [(16, 32), (20, 40)])
+def test_triton_path_gives_the_reference_bytes(n, k, monkeypatch):
+    """Under TRITON_INTERPRET=1 (CI) or on CUDA: the Triton quantizers feed the same operands; with
+    a ragged weight (20 x 40: padded 16x16 tiles) holding an Inf, dgrad's reused values too."""
     pytest.importorskip("triton")
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(4)
-    x = torch.randn(32, 32, device=dev)
-    w, dy = torch.randn(16, 32, device=dev), torch.randn(32, 16, device=dev)
+    x = torch.randn(32, k, device=dev)
+    w, dy = torch.randn(n, k, device=dev), torch.randn(32, n, device=dev)
+    if n == 20:
+        w[3, 7] = float("inf")
     seen = {}
     for backend in ("reference", "triton"):
         monkeypatch.setenv("FP4LAB_BACKEND", backend)
@@ -212,7 +218,7 @@ def test_triton_path_gives_the_reference_bytes(monkeypatch):
     # on Triton the operands arrive as BlockValues, and dgrad multiplies fprop's weight values transposed
     assert set(seen["reference"]) - set(seen["triton"]) == {("dgrad", "b")}
     for key, (_, _, q) in seen["reference"].items():
-        _same(seen["triton"][key][2] if key != ("dgrad", "b") else seen["triton"]["fprop", "b"][2].transposed(32), q)
+        _same(seen["triton"][key][2] if key != ("dgrad", "b") else seen["triton"]["fprop", "b"][2].transposed(k), q)
 
 
 @pytest.mark.parametrize("name", ["nvfp4", "mxfp4", "nvfp4_dither"])
