@@ -365,7 +365,7 @@ def _nvfp4(x: torch.Tensor, out_values: bool, *, axis: int = -1, block: int | tu
         amax = global_amax.reshape(()).to(torch.float32).view(torch.int32)
     else:
         amax = _check_amax(global_amax, x.device).view(torch.int32)
-    s_dec = torch.ones((), dtype=torch.float32, device=x.device)  # written by the kernel
+    s_dec = torch.empty((), dtype=torch.float32, device=x.device)  # written by the kernel (no fill launch)
     if x.numel() == 0:
         s_dec = nvfp4_tensor_terms(amax.view(torch.float32), profile)[0]
     rule = TE if profile is NVFP4Profile.TE else TORCHAO
