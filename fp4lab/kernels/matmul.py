@@ -180,9 +180,22 @@ def _check(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, alpha: torc
         raise TypeError(f"alpha must be a float32 tensor on {a.device}, got {alpha.dtype} on {alpha.device}")
 
 
+def _tile_shape() -> tuple[int, int, int]:
+    """(BM, BN, BK): small tiles under the interpreter, the H100 sweep's otherwise."""
+    return (32, 32, 32) if os.environ.get("TRITON_INTERPRET") == "1" else (_BM, _BN, _BK)
+
+
+def _output(rows: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, bool]:
+    """The output buffer, and whether it is already the answer (no elements, or zeros when K is 0)."""
+    out = torch.empty(rows, n, dtype=dtype, device=device)
+    if out.numel() and k == 0:
+        out.zero_()
+    return out, out.numel() == 0 or k == 0
+
+
 def _launch(a, b, out, alpha, grid, tiles, m, n, k, s_bg, s_alpha, grouped):
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    bm, bn, bk = (32, 32, 32) if interpreted else (_BM, _BN, _BK)
+    bm, bn, bk = _tile_shape()
     if tiles is None:
         tiles = (a, a, a)  # unused pointers
     tma = None if interpreted or not USE_TMA else _descriptors(a, b, bm, bn, bk)
@@ -207,11 +220,9 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, alpha: torch.Tensor, *,
     if a.dim() != 2 or b.dim() != 2:
         raise ValueError(f"scaled_mm takes 2D operands, got {tuple(a.shape)} and {tuple(b.shape)}")
     (m, k), n = a.shape, b.shape[0]
-    out = torch.empty(m, n, dtype=out_dtype, device=a.device)
-    if out.numel() == 0:
+    out, done = _output(m, n, k, out_dtype, a.device)
+    if done:
         return out
-    if k == 0:
-        return out.zero_()
     alpha = alpha.reshape(1)
     _launch(a, b, out, alpha, lambda bm, bn: (triton.cdiv(m, bm) * triton.cdiv(n, bn),), None, m, n, k, 0, 0, False)
     return out
@@ -229,13 +240,10 @@ def grouped_scaled_mm(a: torch.Tensor, b: torch.Tensor, sizes: Sequence[int], al
     if alpha.numel() not in (1, len(sizes)):
         raise ValueError(f"alpha must hold 1 or {len(sizes)} values, got {alpha.numel()}")
     (s, k), n = a.shape, b.shape[1]
-    out = torch.empty(s, n, dtype=out_dtype, device=a.device)
-    if out.numel() == 0:
+    out, done = _output(s, n, k, out_dtype, a.device)
+    if done:
         return out
-    if k == 0:
-        return out.zero_()
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    bm = 32 if interpreted else _BM
+    bm = _tile_shape()[0]  # the launch's row tile: the tile list is cut to it
     tile_group, tile_row, ends, start = [], [], [], 0
     for g, size in enumerate(sizes):
         rows = range(start, start + size, bm)
