@@ -41,28 +41,51 @@ contiguous axis); False forces the pointer kernel (benchmarks compare the two)."
 
 
 @triton.jit
-def _scaled_mm_kernel(a_ptr, b_ptr, c_ptr, alpha_ptr, tile_group_ptr, tile_row_ptr, group_end_ptr,
-                      M, N, K, s_am, s_ak, s_bg, s_bn, s_bk, s_cm, s_cn, s_alpha,
-                      GROUPED: tl.constexpr, BF16_OUT: tl.constexpr, EVEN_K: tl.constexpr,
-                      DOT_F32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                      GROUP_M: tl.constexpr):
-    pid = tl.program_id(0)
+def _tile(pid, tile_group_ptr, tile_row_ptr, group_end_ptr, M, N, GROUPED: tl.constexpr, BM: tl.constexpr,
+          BN: tl.constexpr, GROUP_M: tl.constexpr):
+    """Program -> (group, first row, the group's row end, column tile). Grouped: the host's tile
+    list; dense: GROUP_M row tiles share each column tile while it sits in L2."""
     tiles_n = tl.cdiv(N, BN)
     if GROUPED:
         t, pid_n = pid // tiles_n, pid % tiles_n
         g = tl.load(tile_group_ptr + t)
         row_end = tl.load(group_end_ptr + g)
-        rm = tl.load(tile_row_ptr + t) + tl.arange(0, BM)
-        b_ptr += g.to(tl.int64) * s_bg
-    else:  # GROUP_M row tiles share each column tile while it sits in L2
+        row0 = tl.load(tile_row_ptr + t)
+    else:
         g = 0
         row_end = M
         tiles_m = tl.cdiv(M, BM)
         first_m = (pid // (GROUP_M * tiles_n)) * GROUP_M
         size_m = tl.minimum(tiles_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % (GROUP_M * tiles_n)) % size_m
+        row0 = (first_m + (pid % (GROUP_M * tiles_n)) % size_m) * BM
         pid_n = (pid % (GROUP_M * tiles_n)) // size_m
-        rm = pid_m * BM + tl.arange(0, BM)
+    return g, row0, row_end, pid_n
+
+
+@triton.jit
+def _store_scaled(acc, alpha_ptr, g, s_alpha, c_ptr, rm, rn, row_end, N, s_cm, s_cn, BF16_OUT: tl.constexpr):
+    """The epilogue: acc * alpha[g], cast (bf16 round to nearest even), stored where rows and
+    columns are inside the group and the matrix."""
+    acc = acc * tl.load(alpha_ptr + g * s_alpha)
+    c = c_ptr + rm.to(tl.int64)[:, None] * s_cm + rn.to(tl.int64)[None, :] * s_cn
+    live = (rm[:, None] < row_end) & (rn[None, :] < N)
+    if BF16_OUT:
+        tl.store(c, to_bf16_rtne(acc), mask=live)
+    else:
+        tl.store(c, acc, mask=live)
+
+
+@triton.jit
+def _scaled_mm_kernel(a_ptr, b_ptr, c_ptr, alpha_ptr, tile_group_ptr, tile_row_ptr, group_end_ptr,
+                      M, N, K, s_am, s_ak, s_bg, s_bn, s_bk, s_cm, s_cn, s_alpha,
+                      GROUPED: tl.constexpr, BF16_OUT: tl.constexpr, EVEN_K: tl.constexpr,
+                      DOT_F32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                      GROUP_M: tl.constexpr):
+    g, row0, row_end, pid_n = _tile(tl.program_id(0), tile_group_ptr, tile_row_ptr, group_end_ptr, M, N,
+                                    GROUPED, BM, BN, GROUP_M)
+    if GROUPED:
+        b_ptr += g.to(tl.int64) * s_bg
+    rm = row0 + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     # rows and columns past the end read a valid one (clamped) and are never stored: no load masks
     rm_in = tl.minimum(rm, row_end - 1).to(tl.int64)
@@ -85,13 +108,7 @@ def _scaled_mm_kernel(a_ptr, b_ptr, c_ptr, alpha_ptr, tile_group_ptr, tile_row_p
             acc = tl.dot(a, b, acc)
         a_tile += BK * s_ak
         b_tile += BK * s_bk
-    acc = acc * tl.load(alpha_ptr + g * s_alpha)
-    c = c_ptr + rm.to(tl.int64)[:, None] * s_cm + rn.to(tl.int64)[None, :] * s_cn
-    live = (rm[:, None] < row_end) & (rn[None, :] < N)
-    if BF16_OUT:
-        tl.store(c, to_bf16_rtne(acc), mask=live)
-    else:
-        tl.store(c, acc, mask=live)
+    _store_scaled(acc, alpha_ptr, g, s_alpha, c_ptr, rm, rn, row_end, N, s_cm, s_cn, BF16_OUT)
 
 
 @triton.jit
@@ -101,24 +118,11 @@ def _scaled_mm_tma_kernel(a_desc, b_desc, c_ptr, alpha_ptr, tile_group_ptr, tile
                           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
     """The same GEMM with tiles brought in by Hopper's tensor memory accelerator (TMA descriptors:
     out-of-range reads are zeros). b is [G * b_group_rows, K] (K-major: group g's B from row
-    g * b_group_rows) or, with B_KN, [G * b_group_rows, N] (group g's B^T from that row)."""
-    pid = tl.program_id(0)
-    tiles_n = tl.cdiv(N, BN)
-    if GROUPED:  # rows past a group's end read the next group's rows; they are never stored
-        t, pid_n = pid // tiles_n, pid % tiles_n
-        g = tl.load(tile_group_ptr + t)
-        row_end = tl.load(group_end_ptr + g)
-        row0 = tl.load(tile_row_ptr + t)
-        b_row0 = g * b_group_rows
-    else:
-        g = 0
-        row_end = M
-        tiles_m = tl.cdiv(M, BM)
-        first_m = (pid // (GROUP_M * tiles_n)) * GROUP_M
-        size_m = tl.minimum(tiles_m - first_m, GROUP_M)
-        row0 = (first_m + (pid % (GROUP_M * tiles_n)) % size_m) * BM
-        pid_n = (pid % (GROUP_M * tiles_n)) // size_m
-        b_row0 = 0
+    g * b_group_rows) or, with B_KN, [G * b_group_rows, N] (group g's B^T from that row). Grouped:
+    rows past a group's end read the next group's rows; they are never stored."""
+    g, row0, row_end, pid_n = _tile(tl.program_id(0), tile_group_ptr, tile_row_ptr, group_end_ptr, M, N,
+                                    GROUPED, BM, BN, GROUP_M)
+    b_row0 = g * b_group_rows
     n0 = pid_n * BN
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, K, BK):
@@ -127,15 +131,8 @@ def _scaled_mm_tma_kernel(a_desc, b_desc, c_ptr, alpha_ptr, tile_group_ptr, tile
             acc = tl.dot(a, b_desc.load([b_row0 + k0, n0]), acc)
         else:
             acc = tl.dot(a, b_desc.load([b_row0 + n0, k0]).T, acc)
-    acc = acc * tl.load(alpha_ptr + g * s_alpha)
-    rm = row0 + tl.arange(0, BM)
-    rn = n0 + tl.arange(0, BN)
-    c = c_ptr + rm.to(tl.int64)[:, None] * s_cm + rn.to(tl.int64)[None, :] * s_cn
-    live = (rm[:, None] < row_end) & (rn[None, :] < N)
-    if BF16_OUT:
-        tl.store(c, to_bf16_rtne(acc), mask=live)
-    else:
-        tl.store(c, acc, mask=live)
+    _store_scaled(acc, alpha_ptr, g, s_alpha, c_ptr, row0 + tl.arange(0, BM), n0 + tl.arange(0, BN), row_end, N,
+                  s_cm, s_cn, BF16_OUT)
 
 
 def _descriptors(a: torch.Tensor, b: torch.Tensor, bm: int, bn: int, bk: int):
