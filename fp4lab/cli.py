@@ -57,7 +57,7 @@ def _study(args: argparse.Namespace) -> int:
             print(f"{study.name:<20} {study.title}\n{'':<20} claim: {study.claim} ({study.source})")
             print(f"{'':<20} arms: {', '.join(a.name for a in study.arms)}")
             cost = "; ".join(f"{s.name} {len(study.arms) * len(s.seeds)} runs ~"
-                             f"{len(study.arms) * len(s.seeds) * s.minutes_per_run[study.moe]:.0f} min ({s.where})"
+                             f"{len(study.arms) * len(s.seeds) * s.minutes_per_run[study.size]:.0f} min ({s.where})"
                              for s in catalog.SCALES.values())
             print(f"{'':<20} cost: {cost}")
         return 0
@@ -140,7 +140,8 @@ def _train(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace) -> int:
     from .train.report import report
 
-    table, files = report(args.runs, args.out or Path(args.runs[0]).parent, title=args.title)
+    table, files = report(args.runs, args.out or Path(args.runs[0]).parent, title=args.title,
+                          baseline=args.baseline)
     print(table)
     print("wrote " + ", ".join(map(str, files)))
     return 0
@@ -185,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("runs", nargs="+", type=Path, help="run directories (or receipt.json files)")
     p.add_argument("--out", type=Path, default=None, help="where report.md and the plots go")
     p.add_argument("--title", default="fp4lab")
+    p.add_argument("--baseline", default=None, help="the arm every gap is taken to (default: the plain BF16 arm; "
+                   "runs named ARM-seedK are seed K of ARM)")
     from . import generate
     from .verify import cli as verify_cli
     verify_cli.add_parser(sub)

@@ -23,9 +23,10 @@ weights are quantized from the high-precision weights on each call (RTNE: determ
 stored. The gains carry over (an MXFP4 recipe cannot hold them, so they are set on the copy).
 
 ``ptq_report`` compares the two models on the run's validation split (data.TokenStream rebuilt
-with the run's seq_len, micro-batch and seed; the windows loop.train evaluated on):
+with the run's seq_len, micro-batch, held-out fraction and end-of-text id: the documents
+loop.train evaluated on; the first ``batches`` batches, or all of them):
 
-    val loss      L = mean over batches of mean cross-entropy(logits, targets)
+    val loss      L = mean over tokens of cross-entropy(logits, targets)
                   (the loop's eval; MoE auxiliary losses are left out)
     increase      L_fp4 - L_bf16, and 100 * (L_fp4 - L_bf16) / L_bf16 %
     agreement     fraction of positions where argmax(logits_bf16) == argmax(logits_fp4)
@@ -202,13 +203,14 @@ def _stream(source: Any, model: GPT, batch_size: int | None) -> TokenStream:
         cfg = receipt["config"]
         tokens = load_tokens(Path(receipt["data"]["path"]))
         micro = batch_size or cfg["batch_size"] // cfg["grad_accum"]
-        return TokenStream(tokens, seq_len=cfg["seq_len"], batch_size=micro, seed=cfg["seed"])
+        return TokenStream(tokens, seq_len=cfg["seq_len"], batch_size=micro, seed=cfg["seed"],
+                           val_fraction=cfg.get("val_fraction", 0.02), eot=receipt["data"].get("eot_id"))
     tokens = source.cpu().numpy() if isinstance(source, torch.Tensor) else np.asarray(source)
     return TokenStream(tokens, seq_len=model.cfg.seq_len, batch_size=batch_size or 8)
 
 
 @torch.no_grad()
-def ptq_report(model: GPT, qmodel: GPT, run_dir_or_tokens: Any, *, batches: int = 8,
+def ptq_report(model: GPT, qmodel: GPT, run_dir_or_tokens: Any, *, batches: int | None = 8,
                batch_size: int | None = None) -> dict[str, Any]:
     """Compare ``model`` and its quantized copy on validation windows (see the module doc).
 
@@ -226,7 +228,7 @@ def ptq_report(model: GPT, qmodel: GPT, run_dir_or_tokens: Any, *, batches: int 
         with _autocast(device):
             logits = model(x).float(), qmodel(x).float()  # [B, T, V] each
         for i, lg in enumerate(logits):
-            losses[i] += float(F.cross_entropy(lg.view(-1, lg.shape[-1]), y.reshape(-1)))
+            losses[i] += float(F.cross_entropy(lg.view(-1, lg.shape[-1]), y.reshape(-1))) * y.numel()
         top = [lg.argmax(-1) for lg in logits]  # [B, T]
         agree += int((top[0] == top[1]).sum())
         correct_bf16, correct_fp4 = correct_bf16 + int((top[0] == y).sum()), correct_fp4 + int((top[1] == y).sum())
@@ -234,7 +236,7 @@ def ptq_report(model: GPT, qmodel: GPT, run_dir_or_tokens: Any, *, batches: int 
     if not n_batches:
         raise ValueError(f"no validation batch of {stream.batch_size} x {stream.seq_len} tokens: "
                          f"{len(stream.val_windows)} validation windows")
-    loss_bf16, loss_fp4 = (float(v) / n_batches for v in losses)
+    loss_bf16, loss_fp4 = (float(v) / n_tokens for v in losses)
     recipe = getattr(qmodel, "fp4_recipe", None)
     return {"recipe": recipe.name if recipe is not None else "unknown", "batches": n_batches, "tokens": n_tokens,
             "val_loss_bf16": loss_bf16, "val_loss_fp4": loss_fp4, "val_loss_increase": loss_fp4 - loss_bf16,

@@ -1,28 +1,31 @@
 """A study: a published FP4 finding as data (arms = recipe diffs), run on one data stream, judged.
 
-    Arm      a name, a recipe preset, dotted recipe overrides, TrainConfig overrides
-    Scale    the budget: TrainConfig fields for dense and for MoE studies, and the seeds
-    Study    the claim (with its source), the arms, whether it needs the MoE model, and the
-             verdict: a function of {arm: [final val loss per seed]} and the receipts ->
-             (what we measured, reproduced?)
+    Arm      a name, a recipe preset, dotted recipe overrides, TrainConfig overrides, and the arm
+             it is compared with (its baseline: by default the study's plain BF16 arm)
+    Scale    the budget: TrainConfig fields per model size (dense, deep, moe), and the seeds
+    Study    the claim (with its source), the arms, the model size, extra comparisons, and the
+             verdict: a function of the runs (``StudyRuns``) -> (what we measured, verdict)
 
-``run_study(study, scale, out)`` trains every (arm, seed) into ``out/<arm>-seed<k>`` (a run whose
-receipt already exists with the same configuration is kept, so an interrupted study resumes
-where it stopped, and runs can be spread over several sessions), optionally ``jobs`` at a time
-in subprocesses (small models leave a GPU mostly idle). Every arm of a seed shares the data
-order and the initial weights; the seed also seeds the recipe's stochastic rounding and signs.
-``write_report(study, out)`` rebuilds, from the receipts alone, report.md (the headline row, a
-table of arms with mean and spread over seeds and the gap to the BF16 arm, every run's row) and
-the plots of seed 0 (loss.png, gap.png).
+Every comparison is paired: the arms of one seed share the initial weights, the data order and
+the recipe's random bits, so a gap is the mean over seeds of per-seed differences, reported
+with its 95% t-interval (train.stats). A verdict is "reproduced" only when the interval lies
+on the side the claim predicts, "contradicted" when it lies on the other, and "not resolved"
+otherwise (including a single seed); "not run" while arms are missing.
 
-Public: ``Arm``, ``Scale``, ``Study``, ``Verdict``, ``arm_configs``, ``run_study``,
+``run_study(study, scale, out)`` trains every (arm, seed) into ``out/<arm>-seed<k>``: a run whose
+receipt already exists with the same configuration is kept, a run stopped part-way resumes
+from its checkpoint, so an interrupted study continues where it stopped and can be spread
+over several sessions; ``jobs`` runs at a time in subprocesses (small models leave a GPU mostly
+idle). ``write_report(study, out)`` rebuilds, from the receipts alone, report.md (the verdict,
+the arms with their paired gaps, the extra comparisons, every run), headline.json and the plots.
+
+Public: ``Arm``, ``Scale``, ``Study``, ``StudyRuns``, ``Verdict``, ``arm_configs``, ``run_study``,
 ``load_study``, ``write_report``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-
 import json
 import math
 import multiprocessing
@@ -33,9 +36,13 @@ from typing import Any, Callable
 
 from tqdm import tqdm
 
+from ..train.checkpoint import CheckpointError
 from ..train.corpus import CORPORA, default_dataset
 from ..train.loop import TrainConfig, train
-from ..train.report import gap_table, load_receipts, plots
+from ..train.report import arm_table, final_loss, gap_table, load_receipts, paired_gap, plots, runs_by_arm
+from ..train.stats import Interval, interval
+
+SIZES = ("dense", "deep", "moe")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,9 +54,12 @@ class Arm:
     """Dotted recipe keys, e.g. {"wgrad.hadamard": "deterministic"}."""
     train: dict = field(default_factory=dict)
     """TrainConfig fields, e.g. {"expert_opt": "muon"}."""
+    baseline: str | None = None
+    """The arm this one's gap is taken to (None: the study's plain BF16 arm)."""
 
     @property
     def bf16(self) -> bool:
+        """The plain BF16 baseline: no quantization and no training change."""
         return self.recipe == "bf16" and not self.recipe_overrides
 
 
@@ -57,18 +67,60 @@ class Arm:
 class Scale:
     name: str
     dense: dict
-    """TrainConfig fields for dense-model studies."""
+    """TrainConfig fields for dense-model studies (d6 at GPU scales)."""
     moe: dict
     """TrainConfig fields for MoE studies."""
+    deep: dict | None = None
+    """TrainConfig fields for the deeper dense model (d12 at GPU scales); None: as ``dense``."""
     seeds: tuple[int, ...] = (0,)
     where: str = "cpu"
     """What it is sized for (cpu, one H100, ...), for --list."""
-    minutes_per_run: tuple[float, float] = (0.05, 0.1)
-    """Rough minutes per run (dense, MoE) where it is sized for: --list multiplies it out."""
+    minutes_per_run: dict = field(default_factory=lambda: {"dense": 0.05, "deep": 0.05, "moe": 0.1})
+    """Rough minutes per run by model size where it is sized for: --list multiplies it out."""
+
+    def config(self, size: str) -> dict:
+        if size not in SIZES:
+            raise ValueError(f"unknown model size {size!r}; expected one of {SIZES}")
+        if size == "moe":
+            return self.moe
+        return self.deep if size == "deep" and self.deep is not None else self.dense
 
 
 Verdict = tuple[str, str]
-"""(what we measured, in words and numbers; "yes" / "no" / "partly")."""
+"""(what we measured, in words and numbers; "reproduced" / "not resolved" / "contradicted" / "not run")."""
+
+
+class StudyRuns:
+    """The finished runs of a study, {arm: {seed: receipt}}, with paired comparisons."""
+
+    def __init__(self, runs: dict[str, dict[int, dict]]):
+        self.runs = runs
+
+    def has(self, *arms: str) -> bool:
+        return all(a in self.runs for a in arms)
+
+    def missing(self, *arms: str) -> Verdict:
+        gone = [a for a in arms if a not in self.runs]
+        return f"incomplete: needs finished runs of {', '.join(gone)}", "not run"
+
+    def gap(self, arm: str, base: str) -> Interval | None:
+        """Paired final-loss gap arm - base over their shared seeds (None: no finite pair)."""
+        return paired_gap(self.runs[arm], self.runs[base])
+
+    def contrast(self, weights: dict[str, float], value: Callable[[dict], float] = final_loss) -> Interval | None:
+        """Mean over seeds of sum_a weights[a] * value(run of a), with its interval; seeds missing
+        an arm or holding a diverged run are left out."""
+        seeds = set.intersection(*(set(self.runs[a]) for a in weights))
+        per_seed = {s: sum(w * value(self.runs[a][s]) for a, w in weights.items()) for s in sorted(seeds)}
+        per_seed = {s: v for s, v in per_seed.items() if math.isfinite(v)}
+        return interval(per_seed) if per_seed else None
+
+    def diverged(self) -> list[str]:
+        """Arms with at least one diverged (or non-finite) run."""
+        return [a for a, seeds in self.runs.items() if any(not math.isfinite(final_loss(r)) for r in seeds.values())]
+
+    def finals(self) -> dict[str, list[float]]:
+        return {arm: [final_loss(seeds[s]) for s in sorted(seeds)] for arm, seeds in self.runs.items()}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,15 +131,38 @@ class Study:
     """The published finding, with numbers."""
     source: str
     arms: tuple[Arm, ...]
-    moe: bool = False
-    """Runs on the MoE model of the scale."""
+    size: str = "dense"
+    """Which model of the scale the study trains: dense, deep or moe."""
     train: dict = field(default_factory=dict)
     """TrainConfig fields every arm shares (e.g. stiction sampling)."""
-    verdict: Callable[[dict[str, list[float]], dict[str, list[dict]]], Verdict]
-    """{arm: final val losses over seeds}, {arm: receipts} -> Verdict."""
+    comparisons: tuple[tuple[str, str], ...] = ()
+    """(arm, baseline) pairs reported beside each arm's own baseline, e.g. an FP4 arm with a gain
+    against plain BF16 as well as against BF16 with the same gain."""
+    verdict: Callable[[StudyRuns], Verdict]
+    """The runs -> Verdict (paired intervals; see the module doc)."""
+
+    def __post_init__(self) -> None:
+        names = [a.name for a in self.arms]
+        if self.size not in SIZES:
+            raise ValueError(f"study {self.name}: size must be one of {SIZES}, got {self.size!r}")
+        for arm in self.arms:
+            if arm.baseline is not None and arm.baseline not in names:
+                raise ValueError(f"study {self.name}: arm {arm.name}'s baseline {arm.baseline!r} is not an arm")
+        for pair in self.comparisons:
+            if not set(pair) <= set(names):
+                raise ValueError(f"study {self.name}: comparison {pair} names an unknown arm")
+
+    @property
+    def moe(self) -> bool:
+        return self.size == "moe"
 
     def arm(self, name: str) -> Arm:
         return next(a for a in self.arms if a.name == name)
+
+    def baselines(self) -> dict[str, str | None]:
+        """{arm: the arm its gap is taken to}; plain BF16 arms are their own (no gap)."""
+        plain = next((a.name for a in self.arms if a.bf16), None)
+        return {a.name: a.baseline or (a.name if a.bf16 else plain) for a in self.arms}
 
 
 def arm_configs(study: Study, scale: Scale, out: Path, *, seeds: tuple[int, ...] | None = None,
@@ -101,7 +176,7 @@ def arm_configs(study: Study, scale: Scale, out: Path, *, seeds: tuple[int, ...]
         if key not in {f.name for f in dataclasses.fields(TrainConfig)}:
             raise ValueError(f"unknown training setting {key!r}; TrainConfig has: "
                              + ", ".join(sorted(f.name for f in dataclasses.fields(TrainConfig))))
-    base = {**(scale.moe if study.moe else scale.dense), **study.train, **changes}
+    base = {**scale.config(study.size), **study.train, **changes}
     configs = []
     for seed in seeds or scale.seeds:
         for arm in study.arms:
@@ -111,16 +186,29 @@ def arm_configs(study: Study, scale: Scale, out: Path, *, seeds: tuple[int, ...]
     return configs
 
 
+def _same_config(receipt: dict, cfg: TrainConfig) -> bool:
+    return receipt["config"] == json.loads(json.dumps(cfg.to_dict()))
+
+
 def _done(cfg: TrainConfig) -> bool:
     path = Path(cfg.out) / "receipt.json"
     if not path.is_file():
         return False
     receipt = json.loads(path.read_text())
-    return receipt["status"] in ("ok", "diverged") and receipt["config"] == json.loads(json.dumps(cfg.to_dict()))
+    return receipt["status"] in ("ok", "diverged") and _same_config(receipt, cfg)
 
 
 def _run_one(cfg: TrainConfig) -> str:
-    receipt = train(cfg)
+    # a run cut off part-way (a stopped call, a lost machine) continues from its checkpoint; the
+    # checkpoint's identity check refuses one of another configuration, which then starts over
+    ckpt = Path(cfg.out) / "checkpoint"
+    receipt = None
+    if ckpt.exists():
+        try:
+            receipt = train(cfg, resume=True)
+        except CheckpointError as err:
+            print(f"{cfg.out}: not resuming ({err}); starting over", flush=True)
+    receipt = receipt or train(cfg)
     return f"{cfg.out}: {receipt['status']}, final val {receipt['final']['val_loss']}"
 
 
@@ -149,18 +237,18 @@ def run_study(study: Study, scale: Scale, out: Path, *, seeds: tuple[int, ...] |
 _PER_RUN = {"seed", "out", "recipe", "recipe_overrides", "progress"}
 
 
-def load_study(study: Study, out: Path) -> dict[str, list[dict]]:
-    """{arm: receipts over the seeds found on disk} (arms with no finished run are left out).
+def load_study(study: Study, out: Path) -> dict[str, dict[int, dict]]:
+    """{arm: {seed: receipt}} of the runs found on disk (arms with no finished run are left out).
     Runs made at another scale or with other --set values (left in the same folder) are refused
     with the settings that differ, never averaged in."""
     found = {}
     for arm in study.arms:
         runs = sorted(Path(out).glob(f"{arm.name}-seed*/receipt.json"))
         if runs:
-            found[arm.name] = load_receipts(runs)
+            found.update(runs_by_arm(load_receipts(runs)))
     shared = {}
     for arm in study.arms:
-        for receipt in found.get(arm.name, []):
+        for receipt in found.get(arm.name, {}).values():
             config = {k: v for k, v in receipt["config"].items() if k not in _PER_RUN and k not in arm.train}
             for key, value in config.items():
                 first = shared.setdefault(key, (value, receipt["name"]))
@@ -168,60 +256,62 @@ def load_study(study: Study, out: Path) -> dict[str, list[dict]]:
                     raise ValueError(f"{out}: runs of different settings in one folder: {key} is {first[0]!r} in "
                                      f"{first[1]} but {value!r} in {receipt['name']} (another --scale or --set?); "
                                      "use a fresh --out per scale")
-    return found
+    return {a.name: found[a.name] for a in study.arms if a.name in found}
 
 
-def _finals(receipts: list[dict]) -> list[float]:
-    """Final val loss per seed; a diverged run (or a non-finite loss) counts as +inf."""
-    vals = [r["final"]["val_loss"] if r["status"] == "ok" else None for r in receipts]
-    return [v if v is not None and math.isfinite(v) else float("inf") for v in vals]
-
-
-def _mean_spread(values: list[float]) -> str:
-    if any(v == float("inf") for v in values):
-        return "diverged"
-    mean = statistics.fmean(values)
-    return f"{mean:.4f} ± {statistics.stdev(values):.4f}" if len(values) > 1 else f"{mean:.4f}"
+def _scale_line(runs: dict[str, dict[int, dict]]) -> str:
+    first = next(iter(next(iter(runs.values())).values()))
+    model, cfg, data = first["model"], first["config"], first["data"]
+    tokens = first["final"]["steps"] * cfg["batch_size"] * cfg["seq_len"]
+    split = data.get("split")
+    moe = (f", MoE {model['moe']['n_experts']} experts top-{model['moe']['top_k']}" if model.get("moe") else "")
+    val = (f"; validation {split['val_tokens']:,} tokens in {split['val_docs']} held-out documents" if split
+           else "; validation: the corpus tail (receipts before the document split)")
+    epochs = f", {data['epochs']:.2f} epochs" if data.get("epochs") is not None else ""
+    seeds = sorted({s for seeds in runs.values() for s in seeds})
+    return (f"Scale: {model['depth']} blocks, D = {model['dim']}{moe}, {first['params']:,} parameters; "
+            f"{first['final']['steps']} steps of {cfg['batch_size']} x {cfg['seq_len']} = {tokens:,} tokens{epochs}; "
+            f"data {data['source']} ({data['tokens']:,} tokens){val}; device {first['device']}; "
+            f"git {first['git']['sha'][:12]}; seeds {seeds}.")
 
 
 def write_report(study: Study, out: Path) -> tuple[str, list[Path]]:
-    """report.md (+ plots) from the receipts under ``out`` -> (the markdown, the files written)."""
+    """report.md (+ plots, headline.json) from the receipts under ``out`` -> (the markdown, files)."""
     out = Path(out)
     runs = load_study(study, out)
     if not runs:
         raise FileNotFoundError(f"{out}: no finished runs of study {study.name!r}")
-    finals = {arm: _finals(receipts) for arm, receipts in runs.items()}
-    measured, reproduced = study.verdict(finals, runs)
-    base = next((a.name for a in study.arms if a.bf16 and a.name in finals), None)
-    first = next(iter(runs.values()))[0]
-    lines = [f"# {study.name}: {study.title}", "",
-             f"Scale: {first['model']['depth']} blocks, D = {first['model']['dim']}"
-             + (f", MoE {first['model']['moe']['n_experts']} experts top-{first['model']['moe']['top_k']}"
-                if first['model'].get('moe') else "")
-             + f"; {first['final']['steps']} steps of {first['config']['batch_size']} x {first['config']['seq_len']}"
-             f" tokens; data {first['data']['source']} ({first['data']['tokens']:,} tokens); device {first['device']};"
-             f" git {first['git']['sha'][:12]}; seeds {sorted({r['seed'] for rs in runs.values() for r in rs})}.", "",
-             "| claim | measured | reproduced? |", "|---|---|---|",
-             f"| {study.claim} ({study.source}) | {measured} | {reproduced} |", "",
-             "| arm | recipe | final val loss (mean ± sd over seeds) | gap to bf16 | runs |", "|---|---|---|---|---|"]
+    measured, verdict = study.verdict(StudyRuns(runs))
+    baselines = study.baselines()
+    lines = [f"# {study.name}: {study.title}", "", _scale_line(runs), "",
+             "Gaps are paired by seed (mean of per-seed differences, 95% t-interval; % of the baseline's loss). "
+             "A verdict is 'reproduced' only when the interval lies on the claimed side.", "",
+             "| claim | measured | verdict |", "|---|---|---|",
+             f"| {study.claim} ({study.source}) | {measured} | {verdict} |", "",
+             arm_table(runs, baselines)]
     for arm in study.arms:
-        if arm.name not in finals:
-            lines.append(f"| {arm.name} | - | not run | - | 0 |")
-            continue
-        vals = finals[arm.name]
-        gap = "-"
-        if base is not None and arm.name != base and float("inf") not in vals + finals[base]:
-            gap = f"{statistics.fmean(vals) - statistics.fmean(finals[base]):+.4f}"
-        diff = ", ".join(f"{k}={v}" for k, v in {**arm.recipe_overrides, **arm.train}.items())
-        lines.append(f"| {arm.name} | {arm.recipe}{' (' + diff + ')' if diff else ''} | {_mean_spread(vals)} | "
-                     f"{gap} | {len(vals)} |")
-    seed0 = [rs[0] for rs in runs.values()]
-    lines += ["", "Every run:", "", gap_table([r for rs in runs.values() for r in rs]), ""]
+        if arm.name not in runs:
+            lines.append(f"| {arm.name} | {arm.recipe} | 0 | not run | {baselines[arm.name]} | - | - |")
+    intervals = {}
+    for arm, base in [(a, b) for a, b in baselines.items() if b not in (None, a)] + list(study.comparisons):
+        if arm in runs and base in runs:
+            iv = paired_gap(runs[arm], runs[base])
+            intervals[f"{arm} - {base}"] = iv.to_dict() if iv is not None else None
+    if study.comparisons:
+        lines += ["", "| comparison | paired gap, nats [95% CI] (%) |", "|---|---|"]
+        for arm, base in study.comparisons:
+            iv = paired_gap(runs[arm], runs[base]) if arm in runs and base in runs else None
+            lines.append(f"| {arm} - {base} | {iv.text() if iv is not None else 'not run'} |")
+    receipts = [r for seeds in runs.values() for r in seeds.values()]
+    lines += ["", "Every run:", "", gap_table(receipts, baselines), ""]
     text = "\n".join(lines)
     (out / "report.md").write_text(text)
-    (out / "headline.json").write_text(json.dumps({"study": study.name, "claim": study.claim, "source": study.source,
-                                                   "measured": measured, "reproduced": reproduced,
-                                                   "finals": finals}, indent=1))
-    files = [out / "report.md", out / "headline.json"] + plots(seed0, out, f"{study.name} (seed {seed0[0]['seed']})")
+    finals = StudyRuns(runs).finals()
+    (out / "headline.json").write_text(json.dumps({
+        "study": study.name, "claim": study.claim, "source": study.source, "measured": measured,
+        "verdict": verdict, "gaps": intervals,
+        "finals": {a: [v if math.isfinite(v) else None for v in vals] for a, vals in finals.items()},
+        "mean_finals": {a: statistics.fmean(v) if all(map(math.isfinite, v)) else None for a, v in finals.items()}},
+        indent=1))
+    files = [out / "report.md", out / "headline.json"] + plots(receipts, out, study.name, baselines)
     return text, files
-

@@ -9,7 +9,8 @@ Per step: ``grad_accum`` micro-batches (the QuantContext tick = step * accum + m
 stochastic choice of the FP4 layers, so a resumed run replays the same bits), bf16 autocast on
 CUDA (fp32 on CPU), gradient clipping, the scheduled learning rate, the optimizer step(s), the
 MoE bias update. Eval every ``eval_every`` steps (and at the end) on the fixed validation
-batches. A non-finite loss, or one above ``diverge_loss``, stops the run with status "diverged"
+batches (a spread sample of the held-out documents, data.split_documents); the final
+evaluation covers the whole validation split. A non-finite loss, or one above ``diverge_loss``, stops the run with status "diverged"
 and a clear message; the last checkpoint (from before the divergence) is kept as it was.
 Under torchrun (WORLD_SIZE > 1) the model is wrapped in DistributedDataParallel and each rank
 reads its share of every global batch (data.TokenStream), so the global batch is the same as
@@ -81,6 +82,9 @@ class TrainConfig:
     clip: float = 1.0
     eval_every: int = 50
     eval_batches: int = 8
+    """Batches of each evaluation before the last; the final one covers the whole split."""
+    val_fraction: float = 0.02
+    """Fraction of documents held out for validation (data.split_documents)."""
     log_every: int = 10
     ckpt_every: int = 0
     """Checkpoint every N steps (0: only at the end)."""
@@ -137,7 +141,7 @@ def _data(cfg: TrainConfig) -> tuple[Any, dict]:
     tokens = load_tokens(path)
     info = {"source": cfg.data, "path": str(path), "tokens": int(len(tokens)),
             "identity": meta.get("identity", {"sha256": None}), "vocab_size": meta.get("vocab_size"),
-            "tokenizer_sha256": meta.get("tokenizer_sha256")}
+            "tokenizer_sha256": meta.get("tokenizer_sha256"), "eot_id": meta.get("eot_id")}
     return tokens, info
 
 
@@ -147,12 +151,15 @@ def _log(fh, record: dict) -> None:
         fh.flush()
 
 
-def _evaluate(model, stream: TokenStream, cfg: TrainConfig, device, autocast: bool) -> float:
+def _evaluate(model, stream: TokenStream, cfg: TrainConfig, device, autocast: bool, *, full: bool) -> float:
+    """Mean validation loss per token: over ``eval_batches`` batches, or the whole split (full)."""
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=device)
     with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-        for x, y in stream.val_batches(cfg.eval_batches, cfg.batch_size // cfg.grad_accum):
-            total += torch.stack([model(x.to(device), y.to(device)).double(), torch.ones((), device=device).double()])
+        for x, y in stream.val_batches(None if full else cfg.eval_batches, cfg.batch_size // cfg.grad_accum):
+            n = float(y.numel())
+            total += torch.stack([model(x.to(device), y.to(device)).double() * n, torch.full((), n, device=device,
+                                                                                           dtype=torch.float64)])
     if dist.is_initialized():
         dist.all_reduce(total)
     model.train()
@@ -173,7 +180,13 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> dict[str, Any]:
     mcfg = model_config(cfg.model, vocab_size=vocab, seq_len=cfg.seq_len, **cfg.model_overrides)
     recipe = load_recipe(cfg.recipe).override(cfg.recipe_overrides) if cfg.recipe_overrides else load_recipe(cfg.recipe)
     micro = cfg.batch_size // cfg.grad_accum
-    stream = TokenStream(tokens, seq_len=cfg.seq_len, batch_size=micro, seed=cfg.seed, rank=rank, world=world)
+    stream = TokenStream(tokens, seq_len=cfg.seq_len, batch_size=micro, seed=cfg.seed, rank=rank, world=world,
+                         val_fraction=cfg.val_fraction, eot=data_info["eot_id"])
+    epochs = cfg.steps * cfg.batch_size / stream.n_train
+    data_info = {**data_info, "split": stream.split_info, "epochs": epochs}
+    if epochs > 1 and rank == 0:
+        print(f"note: {cfg.steps} steps of {cfg.batch_size} x {cfg.seq_len} tokens make {epochs:.2f} epochs of the "
+              f"{stream.split_info['train_tokens']:,} training tokens", flush=True)
 
     torch.manual_seed(cfg.seed)
     model = GPT(mcfg)
@@ -280,8 +293,8 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> dict[str, Any]:
             _log(metrics, {"step": step + 1, "train_loss": train_loss, "lr_mult": mult, "grad_norm": norm,
                            "tokens_per_s": tps, "mfu": tps * flops_per_token / peak if peak else None})
         last = step + 1 == cfg.steps
-        if (step + 1) % cfg.eval_every == 0 or last:
-            val = _evaluate(runner, stream, cfg, device, autocast)
+        if (step + 1) % cfg.eval_every == 0 or last:  # the last evaluation covers the whole split
+            val = _evaluate(runner, stream, cfg, device, autocast, full=last)
             evals.append({"step": step + 1, "tokens": (step + 1) * tokens_per_step, "val_loss": val})
             _log(metrics, {"step": step + 1, "val_loss": val})
         if (cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0) or step + 1 == end:

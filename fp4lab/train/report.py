@@ -1,22 +1,38 @@
-"""Tables and plots rebuilt from receipts alone.
+"""Tables and plots rebuilt from receipts alone, with every gap paired by seed.
 
-``report(run_dirs, out_dir)`` reads each run's receipt.json and writes
-    report.md        one row per run: final and min valid loss, gap to the BF16 arm (absolute
-                     and %), tokens/s and its ratio to BF16, status
-    loss.png         valid-loss curves (and train loss, faint) against tokens
-    gap.png          valid-loss gap to the BF16 arm against step (where a BF16 arm exists)
-The BF16 arm is the run whose recipe quantizes nothing (the first such, when several).
+Runs are grouped into **arms** by name: ``nvfp4-seed2`` is seed 2 of arm ``nvfp4`` (a name
+without a ``-seed<k>`` suffix is an arm of one run). Each run is compared with the run of the
+**baseline arm** that has the same seed (same initial weights, data order and random bits):
+the plain BF16 arm (a recipe that quantizes nothing and sets no gains) unless one is named. A
+run whose seed has no baseline run says so instead of borrowing another seed's.
 
-Public: ``load_receipts``, ``gap_table``, ``plots``, ``report``.
+``report(run_dirs, out_dir)`` writes
+    report.md   the arms (seeds, mean final val loss ± sd, the mean paired gap to the baseline
+                with its 95% t-interval in nats and %, and whether the interval separates the
+                arms), then every run (its own seed's gap, tokens/s against that baseline)
+    loss.png    validation-loss curves (train loss faint) against tokens, every run
+    gap.png     the mean paired gap to the baseline against tokens, per arm, with its 95% band
+``final_loss``, ``runs_by_arm`` and ``paired_gap`` are shared with the study reports.
+
+Public: ``load_receipts``, ``arm_name``, ``runs_by_arm``, ``final_loss``, ``paired_gap``,
+``baseline_arm``, ``gap_table``, ``arm_table``, ``plots``, ``report``.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import re
+import statistics
 from pathlib import Path
 from typing import Any
 
 from ..nn.recipe import Recipe
+from .stats import Interval, interval
+
+_SEED = re.compile(r"-seed(\d+)$")
+Runs = dict[str, dict[int, dict[str, Any]]]
+"""{arm: {seed: receipt}}"""
 
 
 def load_receipts(run_dirs: list[Path]) -> list[dict[str, Any]]:
@@ -25,73 +41,192 @@ def load_receipts(run_dirs: list[Path]) -> list[dict[str, Any]]:
         path = run / "receipt.json" if run.is_dir() else run
         if not path.is_file():
             raise FileNotFoundError(f"{run}: no receipt.json (did the run finish?)")
-        receipts.append(json.loads(path.read_text()))
+        try:
+            receipt = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}: not a readable receipt ({err})") from None
+        missing = {"name", "recipe", "final", "evals", "config", "seed", "status"} - set(receipt)
+        if missing:
+            raise ValueError(f"{path}: receipt lacks {sorted(missing)} (edited, or from another tool?)")
+        receipts.append(receipt)
     return receipts
 
 
-def _is_bf16(receipt: dict) -> bool:
-    return not Recipe.from_dict(receipt["recipe"]).quantized
+def arm_name(receipt: dict[str, Any]) -> str:
+    """The run's arm: its name without a trailing -seed<k>."""
+    return _SEED.sub("", receipt["name"])
+
+
+def runs_by_arm(receipts: list[dict[str, Any]]) -> Runs:
+    """Receipts -> {arm: {seed: receipt}} (two runs of one arm and seed are an error)."""
+    runs: Runs = {}
+    for r in receipts:
+        arm = runs.setdefault(arm_name(r), {})
+        if r["seed"] in arm:
+            raise ValueError(f"two runs of arm {arm_name(r)!r} with seed {r['seed']}: "
+                             f"{arm[r['seed']]['name']} and {r['name']}")
+        arm[r["seed"]] = r
+    return runs
+
+
+def final_loss(receipt: dict[str, Any]) -> float:
+    """Final validation loss; a diverged or unfinished run (or a non-finite loss) is +inf."""
+    value = receipt["final"]["val_loss"] if receipt["status"] == "ok" else None
+    return value if value is not None and math.isfinite(value) else math.inf
+
+
+def _plain_bf16(receipt: dict[str, Any]) -> bool:
+    recipe = receipt["recipe"]
+    return not Recipe.from_dict(recipe).quantized and (recipe.get("embed_gain", 1.0), recipe.get("logits_gain", 1.0)) \
+        == (1.0, 1.0)
+
+
+def baseline_arm(runs: Runs, name: str | None = None) -> str | None:
+    """The named arm, or the first arm whose runs are plain BF16 (None if there is none)."""
+    if name is not None:
+        if name not in runs:
+            raise ValueError(f"baseline arm {name!r} not among the runs: {', '.join(runs)}")
+        return name
+    return next((arm for arm, seeds in runs.items() if all(map(_plain_bf16, seeds.values()))), None)
+
+
+def paired_gap(arm: dict[int, dict], base: dict[int, dict], *, value=final_loss) -> Interval | None:
+    """Mean over shared seeds of value(arm run) - value(base run), with its 95% interval (in %
+    of the baseline's mean over those seeds). Seeds where either run diverged are left out;
+    None when no seed is shared by two finite runs."""
+    pairs = {s: (value(arm[s]), value(base[s])) for s in sorted(set(arm) & set(base))}
+    pairs = {s: p for s, p in pairs.items() if all(map(math.isfinite, p))}
+    if not pairs:
+        return None
+    return interval({s: a - b for s, (a, b) in pairs.items()},
+                    base_mean=statistics.fmean(b for _, b in pairs.values()))
+
+
+def separation(iv: Interval | None) -> str:
+    """What the interval says about the two arms, in words."""
+    if iv is None:
+        return "no shared seed"
+    if iv.n < 2:
+        return "1 seed: not resolved"
+    return "worse" if iv.lo > 0 else "better" if iv.hi < 0 else "not resolved"
 
 
 def _fmt(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
+    return "-" if value is None or not math.isfinite(value) else format(value, spec)
 
 
-def gap_table(receipts: list[dict[str, Any]]) -> str:
-    """The markdown table described in the module doc."""
-    base = next((r for r in receipts if _is_bf16(r)), None)
-    lines = ["| run | recipe | final val | min val | gap to bf16 | gap % | tokens/s | x bf16 | status |",
-             "|---|---|---|---|---|---|---|---|---|"]
+def _mean_sd(values: list[float]) -> str:
+    if any(not math.isfinite(v) for v in values):
+        return f"{sum(not math.isfinite(v) for v in values)} of {len(values)} diverged"
+    return f"{statistics.fmean(values):.4f} ± {statistics.stdev(values):.4f}" if len(values) > 1 \
+        else f"{values[0]:.4f}"
+
+
+def arm_table(runs: Runs, baselines: dict[str, str | None]) -> str:
+    """One row per arm: seeds, mean ± sd, and the paired gap to ``baselines[arm]`` (95% CI)."""
+    lines = ["| arm | recipe | seeds | final val (mean ± sd) | baseline | paired gap, nats [95% CI] (%) | "
+             "separated? |", "|---|---|---|---|---|---|---|"]
+    for arm, seeds in runs.items():
+        base = baselines.get(arm)
+        iv = paired_gap(seeds, runs[base]) if base is not None and base != arm and base in runs else None
+        gap = iv.text() if iv is not None else "-"
+        sep = separation(iv) if base is not None and base != arm else "-"
+        recipe = next(iter(seeds.values()))["recipe"]["name"]
+        lines.append(f"| {arm} | {recipe} | {len(seeds)} | {_mean_sd([final_loss(r) for r in seeds.values()])} | "
+                     f"{base if base != arm else '-'} | {gap} | {sep} |")
+    return "\n".join(lines)
+
+
+def gap_table(receipts: list[dict[str, Any]], baselines: dict[str, str | None] | None = None) -> str:
+    """One row per run: final and min val loss, the gap to its own seed's baseline run, speed."""
+    runs = runs_by_arm(receipts)
+    if baselines is None:
+        base = baseline_arm(runs)
+        baselines = {arm: base for arm in runs}
+    lines = ["| run | recipe | seed | final val | min val | gap to baseline (same seed) | gap % | tokens/s | "
+             "x baseline | status |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in receipts:
         final, best = r["final"]["val_loss"], r["final"]["min_val_loss"]
+        base_arm = baselines.get(arm_name(r))
+        ref = runs.get(base_arm, {}).get(r["seed"]) if base_arm else None
         gap = pct = speed = None
-        if base is not None and final is not None and base["final"]["val_loss"] is not None:
-            gap = final - base["final"]["val_loss"]
-            pct = 100 * gap / base["final"]["val_loss"]
-        if base is not None and r.get("tokens_per_s") and base.get("tokens_per_s"):
-            speed = r["tokens_per_s"] / base["tokens_per_s"]
-        lines.append(f"| {r['name']} | {r['recipe']['name']} | {_fmt(final, '.4f')} | {_fmt(best, '.4f')} | "
-                     f"{_fmt(gap, '+.4f')} | {_fmt(pct, '+.2f')} | {_fmt(r.get('tokens_per_s'), ',.0f')} | "
+        note = "-"
+        if base_arm is not None and base_arm != arm_name(r):
+            if ref is None:
+                note = f"no {base_arm} run for seed {r['seed']}"
+            elif math.isfinite(final_loss(r)) and math.isfinite(final_loss(ref)):
+                gap = final_loss(r) - final_loss(ref)
+                pct = 100 * gap / final_loss(ref)
+                note = f"{gap:+.4f} vs {ref['name']}"
+            if ref is not None and r.get("tokens_per_s") and ref.get("tokens_per_s"):
+                speed = r["tokens_per_s"] / ref["tokens_per_s"]
+        lines.append(f"| {r['name']} | {r['recipe']['name']} | {r['seed']} | {_fmt(final, '.4f')} | "
+                     f"{_fmt(best, '.4f')} | {note} | {_fmt(pct, '+.2f')} | {_fmt(r.get('tokens_per_s'), ',.0f')} | "
                      f"{_fmt(speed, '.2f')} | {r['status']} |")
     return "\n".join(lines)
 
 
-def plots(receipts: list[dict[str, Any]], out_dir: Path, title: str) -> list[Path]:
+def gap_curve(arm: dict[int, dict], base: dict[int, dict]) -> list[tuple[int, Interval]]:
+    """(tokens, paired gap interval) at every evaluation step that all shared seeds reached."""
+    seeds = sorted(set(arm) & set(base))
+    curves = [({e["step"]: e for e in arm[s]["evals"]}, {e["step"]: e for e in base[s]["evals"]}) for s in seeds]
+    steps = sorted(set.intersection(*(set(a) & set(b) for a, b in curves))) if curves else []
+    out = []
+    for step in steps:
+        diffs = {s: a[step]["val_loss"] - b[step]["val_loss"] for s, (a, b) in zip(seeds, curves)}
+        if all(math.isfinite(d) for d in diffs.values()):
+            out.append((curves[0][0][step]["tokens"], interval(diffs)))
+    return out
+
+
+def plots(receipts: list[dict[str, Any]], out_dir: Path, title: str,
+          baselines: dict[str, str | None] | None = None) -> list[Path]:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     written = []
     fig, ax = plt.subplots(figsize=(7, 4.5))
+    shown = []
     for r in receipts:
         tokens_per_step = r["config"]["batch_size"] * r["config"]["seq_len"]
         line, = ax.plot([e["tokens"] for e in r["evals"]], [e["val_loss"] for e in r["evals"]], marker="o",
                         markersize=3, label=f"{r['name']} (val)")
+        shown += [e["val_loss"] for e in r["evals"][len(r["evals"]) // 3:]]
         if r.get("train_curve"):
             steps, losses = zip(*r["train_curve"])
             ax.plot([s * tokens_per_step for s in steps], losses, color=line.get_color(), alpha=0.25, linewidth=0.8)
+            shown += list(losses[len(losses) // 3:])
     ax.set(xlabel="tokens", ylabel="loss", title=f"{title}: validation loss (train faint)")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
-    finals = [e["val_loss"] for r in receipts for e in r["evals"][len(r["evals"]) // 3:]]
-    if finals:
-        ax.set_ylim(min(finals) - 0.1, max(finals) + 0.3)
+    shown = [v for v in shown if math.isfinite(v)]
+    if shown:  # the later two thirds of both curves, where the arms separate
+        ax.set_ylim(min(shown) - 0.05, max(shown) + 0.2)
     fig.tight_layout()
     fig.savefig(out_dir / "loss.png", dpi=120)
     written.append(out_dir / "loss.png")
     plt.close(fig)
-    base = next((r for r in receipts if _is_bf16(r)), None)
-    if base is not None:
-        ref = {e["step"]: e["val_loss"] for e in base["evals"]}
+    runs = runs_by_arm(receipts)
+    if baselines is None:
+        base = baseline_arm(runs)
+        baselines = {arm: base for arm in runs}
+    pairs = [(arm, baselines.get(arm)) for arm in runs if baselines.get(arm) not in (None, arm)
+             and baselines.get(arm) in runs]
+    if pairs:
         fig, ax = plt.subplots(figsize=(7, 4))
-        for r in receipts:
-            if r is base:
+        for arm, base in pairs:
+            curve = gap_curve(runs[arm], runs[base])
+            if not curve:
                 continue
-            pts = [(e["step"], e["val_loss"] - ref[e["step"]]) for e in r["evals"] if e["step"] in ref]
-            if pts:
-                ax.plot(*zip(*pts), marker="o", markersize=3, label=r["name"])
+            tokens = [t for t, _ in curve]
+            line, = ax.plot(tokens, [iv.mean for _, iv in curve], marker="o", markersize=3,
+                            label=f"{arm} - {base} ({curve[-1][1].n} seeds)")
+            if curve[-1][1].n > 1:
+                ax.fill_between(tokens, [iv.lo for _, iv in curve], [iv.hi for _, iv in curve],
+                                color=line.get_color(), alpha=0.15, linewidth=0)
         ax.axhline(0, color="black", linewidth=0.8)
-        ax.set(xlabel="step", ylabel=f"val loss - {base['name']}", title=f"{title}: gap to BF16")
-        ax.legend(fontsize=8)
+        ax.set(xlabel="tokens", ylabel="val loss gap (nats)", title=f"{title}: paired gap, 95% band over seeds")
+        ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
         fig.tight_layout()
         fig.savefig(out_dir / "gap.png", dpi=120)
@@ -100,15 +235,23 @@ def plots(receipts: list[dict[str, Any]], out_dir: Path, title: str) -> list[Pat
     return written
 
 
-def report(run_dirs: list[Path], out_dir: Path, *, title: str = "fp4lab") -> tuple[str, list[Path]]:
-    """Write report.md (and the plots) into out_dir -> (the table, the files written)."""
+def report(run_dirs: list[Path], out_dir: Path, *, title: str = "fp4lab",
+           baseline: str | None = None) -> tuple[str, list[Path]]:
+    """Write report.md (and the plots) into out_dir -> (the markdown, the files written)."""
     receipts = load_receipts(run_dirs)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    table = gap_table(receipts)
+    runs = runs_by_arm(receipts)
+    base = baseline_arm(runs, baseline)
+    baselines = {arm: base for arm in runs}
     env = receipts[0]
+    split = env["data"].get("split", {})
     header = (f"# {title}\n\n{len(receipts)} runs; device {env['device']}; torch {env['versions']['torch']}; "
               f"git {env['git']['sha'][:12]}; data {env['data']['source']} "
-              f"({env['data']['tokens']:,} tokens, sha256 {str(env['data']['identity'].get('sha256'))[:12]})\n\n")
-    (out_dir / "report.md").write_text(header + table + "\n")
-    return table, [out_dir / "report.md"] + plots(receipts, out_dir, title)
+              f"({env['data']['tokens']:,} tokens, sha256 {str(env['data']['identity'].get('sha256'))[:12]}"
+              + (f"; validation: {split['val_docs']} held-out documents, {split['val_tokens']:,} tokens" if split
+                 else "") + ")\n\n"
+              + (f"Gaps are paired by seed against arm `{base}`." if base else "No BF16 arm: no gaps.") + "\n\n")
+    text = header + arm_table(runs, baselines) + "\n\nEvery run:\n\n" + gap_table(receipts, baselines) + "\n"
+    (out_dir / "report.md").write_text(text)
+    return text, [out_dir / "report.md"] + plots(receipts, out_dir, title, baselines)

@@ -1,4 +1,4 @@
-"""The seven training studies: each runs at smoke scale, resumes, reports; verdicts judge data."""
+"""The training studies: each runs at smoke scale, resumes, reports; verdicts are paired-interval decisions."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import json
 import pytest
 
 from fp4lab.cli import main
-from fp4lab.studies.catalog import SCALES, STUDIES, tokens_to_reach
-from fp4lab.studies.study import arm_configs, load_study, run_study, write_report
+from fp4lab.studies.catalog import SCALES, STUDIES
+from fp4lab.studies.study import StudyRuns, arm_configs, load_study, run_study, write_report
+from fp4lab.train.stats import CONTRADICTED, NOT_RESOLVED, REPRODUCED, VERDICTS
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -27,7 +28,7 @@ def test_every_study_runs_at_smoke_scale_and_reports(name, tmp_path):
     runs = load_study(study, tmp_path)
     assert set(runs) == {a.name for a in study.arms}
     for arm in study.arms:  # each arm ran its own recipe diff, recorded in the receipt
-        receipt = runs[arm.name][0]
+        receipt = runs[arm.name][0]  # {seed: receipt}
         assert receipt["config"]["recipe"] == arm.recipe
         assert receipt["recipe"]["seed"] == receipt["seed"] == 0
         for key, value in arm.train.items():
@@ -36,7 +37,7 @@ def test_every_study_runs_at_smoke_scale_and_reports(name, tmp_path):
     assert {f.name for f in files} == {"report.md", "headline.json", "loss.png", "gap.png"} - (
         set() if any(a.bf16 for a in study.arms) else {"gap.png"})
     headline = json.loads((tmp_path / "headline.json").read_text())
-    assert headline["reproduced"] in ("yes", "no", "partly") and headline["claim"] == study.claim
+    assert headline["verdict"] in VERDICTS + ("not run",) and headline["claim"] == study.claim
     assert study.claim in text and all(f"| {a.name} |" in text for a in study.arms)
 
 
@@ -61,79 +62,98 @@ def test_a_finished_run_is_kept_and_a_changed_one_rerun(tmp_path):
 
 def test_seeds_vary_init_data_and_rounding_together(tmp_path):
     configs = arm_configs(STUDIES["stiction"], SCALES["gpu-small"], tmp_path)
-    assert sorted({c.seed for c in configs}) == [0, 1]
+    assert sorted({c.seed for c in configs}) == [0, 1, 2]
     assert all(c.recipe_overrides["seed"] == c.seed for c in configs)
     assert all(c.stiction_every == 5 and c.model == "d6" for c in configs)
     moe = arm_configs(STUDIES["gains"], SCALES["gpu-small"], tmp_path)
     assert all(c.model == "moe64" for c in moe)
 
 
-def _receipts(finals):
-    return {arm: [{"flip_rate": [[1, 0.01 * (i + 1)]]} for _ in vals] for i, (arm, vals) in enumerate(finals.items())}
+def _runs(finals: dict[str, tuple], flips: dict[str, tuple] | None = None) -> StudyRuns:
+    """{arm: final val per seed} (None: diverged) -> StudyRuns of minimal receipts."""
+    def receipt(arm, seed, value):
+        return {"name": f"{arm}-seed{seed}", "seed": seed, "status": "ok" if value is not None else "diverged",
+                "final": {"val_loss": value}, "flip_rate": [[5, (flips or {}).get(arm, (0.0,) * 9)[seed]]]}
+    return StudyRuns({arm: {s: receipt(arm, s, v) for s, v in enumerate(vals)} for arm, vals in finals.items()})
 
 
-@pytest.mark.parametrize("finals, verdict", [
-    ({"unit": [3.0, 3.1], "embed": [2.8, 2.9], "logits": [3.2, 3.2], "old_pair": [3.1, 3.0]}, "yes"),
-    ({"unit": [3.0], "embed": [3.1], "logits": [3.2], "old_pair": [3.3]}, "partly"),
-    ({"unit": [3.0], "embed": [3.1], "logits": [2.9], "old_pair": [2.8]}, "no"),
-])
-def test_gains_verdict(finals, verdict):
-    assert STUDIES["gains"].verdict(finals, {})[1] == verdict
+def _verdict(name, finals, flips=None):
+    return STUDIES[name].verdict(_runs(finals, flips))
 
 
-def test_progression_verdict_finds_the_costliest_gemm():
-    finals = {"bf16": [3.0], "fprop": [3.01], "fprop_dgrad": [3.02], "fprop_dgrad_wgrad": [3.2]}
-    text, verdict = STUDIES["gemm-progression"].verdict(finals, {})
-    assert verdict == "yes" and "+wgrad +0.180" in text
-    finals["fprop_dgrad_wgrad"] = [3.03]
-    assert STUDIES["gemm-progression"].verdict(finals, {})[1] == "no"
+def test_gains_verdict_needs_intervals_on_the_claimed_side():
+    finals = {"unit": (3.00, 3.10, 3.05), "embed": (2.90, 3.01, 2.94), "logits": (3.20, 3.31, 3.24),
+              "old_pair": (3.05, 3.14, 3.10)}
+    text, verdict = _verdict("gains", finals)
+    assert verdict == REPRODUCED and "embed - unit -0.1000" in text
+    finals["embed"] = (3.02, 3.08, 3.06)  # one seed better, two worse: the interval covers 0
+    assert _verdict("gains", finals)[1] == NOT_RESOLVED
+    finals["logits"] = (2.80, 2.91, 2.84)  # logits-only clearly best: contradicted
+    assert _verdict("gains", finals)[1] == CONTRADICTED
+    finals = {"unit": (3.0,), "embed": (2.5,), "logits": (3.5,), "old_pair": (3.1,)}
+    assert _verdict("gains", finals)[1] == NOT_RESOLVED  # one seed resolves nothing, however large
 
 
-def test_wgrad_verdict_counts_divergence_as_worst():
-    finals = {"bf16": [3.0], "none": [float("inf")], "sr": [3.3], "random_hadamard": [3.4], "det_hadamard": [3.1]}
-    text, verdict = STUDIES["wgrad-interventions"].verdict(finals, {})
-    assert verdict == "yes" and "diverged: none" in text
+def test_gains_report_the_interaction_with_the_bf16_control():
+    finals = {"unit": (3.00, 3.10, 3.05), "embed": (2.90, 3.01, 2.94), "logits": (3.20, 3.31, 3.24),
+              "old_pair": (3.05, 3.14, 3.10), "bf16": (2.95, 3.05, 3.00), "bf16_embed": (2.87, 2.98, 2.91)}
+    text, _ = _verdict("gains", finals)  # the gain helps NVFP4 0.02 more than BF16, on every seed
+    assert "effect on NVFP4 minus its effect on BF16 -0.0200" in text and "helps NVFP4 more" in text
 
 
-def test_a_diverged_seed_counts_as_the_worst_result_not_as_missing():
-    inf = float("inf")
-    finals = {"bf16": [3.0, 3.0], "full": [3.1, 3.1], "no_bf16_layers": [3.2, 3.2], "no_rht": [inf, 3.1],
-              "no_2d_weights": [3.12, 3.12], "no_sr": [3.15, 3.15], "bf16_late": [3.04, 3.04]}
-    text, verdict = STUDIES["nvidia-ablation"].verdict(finals, {})
-    assert verdict == "yes" and "no_rht +inf" in text
-    finals = {"bf16": [3.0], "fprop": [3.01], "fprop_dgrad": [3.02], "fprop_dgrad_wgrad": [inf]}
-    text, verdict = STUDIES["gemm-progression"].verdict(finals, {})
-    assert verdict == "yes" and "diverged: fprop_dgrad_wgrad" in text
+def test_every_arm_is_compared_with_its_own_baseline():
+    baselines = STUDIES["expert-lane"].baselines()
+    assert baselines["nvfp4_muon"] == "bf16_embed_muon" and baselines["nvfp4_adamw"] == "bf16_embed_adamw"
+    assert baselines["bf16_embed_muon"] == "bf16_muon" and baselines["bf16_muon"] == "bf16_adamw"
+    assert STUDIES["gains"].baselines()["embed"] == "bf16_embed"
+    assert STUDIES["gemm-progression"].baselines()["fprop_dgrad_wgrad"] == "fprop_dgrad"
+    finals = {"nvfp4_adamw": (3.30, 3.40, 3.35), "nvfp4_muon": (3.24, 3.34, 3.29),
+              "bf16_adamw": (3.50, 3.60, 3.55), "bf16_muon": (3.44, 3.54, 3.49),
+              "bf16_embed_adamw": (3.25, 3.35, 3.30), "bf16_embed_muon": (3.20, 3.30, 3.25)}
+    text, verdict = _verdict("expert-lane", finals)
+    # lane-matched, same gain: +0.04 (against plain BF16 of the lane it reads -0.20; against bf16_adamw -0.26)
+    assert verdict == REPRODUCED and "on muon (the better lane) +0.0400" in text
+    assert "on muon: -0.2000" in text
 
 
-def test_ablation_and_stiction_verdicts():
-    finals = {"bf16": [3.0], "full": [3.1], "no_bf16_layers": [3.2], "no_rht": [3.15], "no_2d_weights": [3.12],
-              "no_sr": [3.05], "bf16_late": [3.04]}
-    text, verdict = STUDIES["nvidia-ablation"].verdict(finals, {})
-    assert verdict == "partly" and "3/4 removals hurt" in text and "+0.040" in text
-    finals = {"bf16": [3.0], "rtne": [3.3], "dither": [3.2], "sr": [3.1]}  # flips rise rtne < dither < sr
-    assert STUDIES["stiction"].verdict(finals, _receipts(finals))[1] == "yes"
-    finals["sr"] = [3.25]
-    assert STUDIES["stiction"].verdict(finals, _receipts(finals))[1] == "no"
+def test_progression_verdict_is_a_paired_contrast_of_increments():
+    finals = {"bf16": (3.00, 3.10, 3.05), "fprop": (3.01, 3.11, 3.07), "fprop_dgrad": (3.02, 3.12, 3.08),
+              "fprop_dgrad_wgrad": (3.20, 3.29, 3.27)}
+    assert _verdict("gemm-progression", finals)[1] == REPRODUCED
+    finals["fprop_dgrad_wgrad"] = (3.035, 3.12, 3.09)  # Wgrad adds about as little as the others
+    assert _verdict("gemm-progression", finals)[1] == NOT_RESOLVED
+    finals["fprop"] = (3.20, 3.30, 3.24)  # Fprop the costliest: contradicted
+    finals["fprop_dgrad"], finals["fprop_dgrad_wgrad"] = (3.21, 3.31, 3.25), (3.22, 3.32, 3.26)
+    assert _verdict("gemm-progression", finals)[1] == CONTRADICTED
 
 
-def test_tokens_to_reach_interpolates_between_evals():
-    receipt = {"evals": [{"tokens": 100, "val_loss": 4.0}, {"tokens": 200, "val_loss": 3.0},
-                         {"tokens": 300, "val_loss": 2.5}]}
-    assert tokens_to_reach(receipt, 3.5) == 150
-    assert tokens_to_reach(receipt, 4.5) == 100
-    assert tokens_to_reach(receipt, 2.0) is None
-    finals = {"nvfp4": [2.75], "mxfp4": [2.9]}
-    runs = {"nvfp4": [{"final": {"val_loss": 2.75}, "evals": [{"tokens": 200, "val_loss": 2.75}]}],
-            "mxfp4": [dict(receipt, final={"val_loss": 2.5})]}
-    text, verdict = STUDIES["formats"].verdict(finals, runs)  # MXFP4 reaches 2.75 at 250 tokens of 200
-    assert verdict == "yes" and "mxfp4 needs +25% tokens" in text
-    runs["mxfp4"][0]["evals"] = receipt["evals"][:2]  # never gets there
-    text, verdict = STUDIES["formats"].verdict(finals, runs)
-    assert verdict == "yes" and "does not reach" in text
-    runs["nvfp4"][0]["evals"][0]["tokens"] = 300  # MXFP4 gets there first
-    runs["mxfp4"][0]["evals"] = receipt["evals"]
-    assert STUDIES["formats"].verdict(finals, runs)[1] == "no"
+def test_wgrad_and_ablation_verdicts_say_what_a_diverged_run_did():
+    finals = {"bf16": (3.0, 3.1, 3.05), "none": (3.2, None, 3.25), "sr": (3.21, 3.3, 3.26),
+              "random_hadamard": (3.19, 3.29, 3.25), "det_hadamard": (3.1, 3.2, 3.15)}
+    text, verdict = _verdict("wgrad-interventions", finals)
+    assert verdict == REPRODUCED and "diverged (left out of the pairs): none" in text
+    full = (3.10, 3.20, 3.15)
+    finals = {"bf16": (3.0, 3.1, 3.05), "full": full, "bf16_late": tuple(v - 0.05 for v in full),
+              "no_bf16_layers": (3.15, 3.24, 3.21), "no_rht": (3.13, 3.22, 3.19),
+              "no_2d_weights": (3.12, 3.22, 3.17), "no_sr": (3.11, 3.19, 3.16)}
+    text, verdict = _verdict("nvidia-ablation", finals)
+    assert verdict == NOT_RESOLVED and "3/4 removals hurt" in text  # no_sr: +0.01, -0.01, +0.01
+
+
+def test_stiction_formats_and_fidelity_verdicts():
+    finals = {"bf16": (3.0, 3.1, 3.05), "rtne": (3.2, 3.3, 3.25), "dither": (3.1, 3.21, 3.14),
+              "sr": (3.25, 3.33, 3.3)}
+    flips = {"rtne": (0.01, 0.011, 0.012), "dither": (0.03, 0.031, 0.033), "sr": (0.02, 0.022, 0.021)}
+    assert _verdict("stiction", finals, flips)[1] == REPRODUCED  # dither: more flips and a smaller gap
+    finals["dither"] = (3.25, 3.36, 3.3)
+    assert _verdict("stiction", finals, flips)[1] == CONTRADICTED
+    finals = {"nvfp4": (3.0, 3.1, 3.05), "mxfp4": (3.05, 3.14, 3.11)}
+    text, verdict = _verdict("formats", finals)
+    assert verdict == REPRODUCED and "out of reach" in text
+    finals = {"bf16": (3.0, 3.1, 3.05), "nvfp4": (3.01, 3.11, 3.065)}  # +0.3% to +0.5%
+    assert _verdict("fidelity", finals)[1] == REPRODUCED
+    finals["nvfp4"] = (3.06, 3.16, 3.11)  # +2%
+    assert _verdict("fidelity", finals)[1] == CONTRADICTED
 
 
 def test_cli_lists_studies_and_refuses_unknown_ones(capsys, tmp_path):

@@ -1,0 +1,66 @@
+"""Reports pair every gap by seed, with synthetic receipts (no training needed)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fp4lab.nn.recipe import preset
+from fp4lab.train.report import arm_table, gap_table, paired_gap, report, runs_by_arm
+
+
+def receipt(name: str, recipe: str, seed: int, final: float, *, status: str = "ok", curve=(4.0, 3.5)) -> dict:
+    evals = [{"step": 10 * (i + 1), "tokens": 1000 * (i + 1), "val_loss": v} for i, v in enumerate(curve)]
+    evals[-1]["val_loss"] = final
+    return {"name": name, "recipe": preset(recipe).to_dict(), "seed": seed, "status": status,
+            "final": {"val_loss": final, "min_val_loss": final, "steps": 20}, "evals": evals,
+            "config": {"batch_size": 10, "seq_len": 10}, "train_curve": [[10, 4.1], [20, 3.6]],
+            "tokens_per_s": 100.0, "device": "cpu", "versions": {"torch": "x"}, "git": {"sha": "0" * 40},
+            "data": {"source": "synthetic", "tokens": 1, "identity": {"sha256": None}}}
+
+
+def test_each_seed_is_compared_with_its_own_baseline_seed():
+    runs = [receipt("bf16-seed0", "bf16", 0, 3.00), receipt("bf16-seed1", "bf16", 1, 3.10),
+            receipt("nvfp4-seed0", "nvfp4", 0, 3.02), receipt("nvfp4-seed1", "nvfp4", 1, 3.13),
+            receipt("nvfp4-seed2", "nvfp4", 2, 3.05)]
+    table = gap_table(runs)
+    row = {line.split(" | ")[0][2:]: line for line in table.splitlines()[2:]}
+    assert "+0.0200 vs bf16-seed0" in row["nvfp4-seed0"]
+    assert "+0.0300 vs bf16-seed1" in row["nvfp4-seed1"]  # not against seed 0 (which would read +0.1300)
+    assert "no bf16 run for seed 2" in row["nvfp4-seed2"]
+    assert "vs" not in row["bf16-seed1"].split(" | ")[5]  # the baseline has no gap to itself
+    iv = paired_gap(runs_by_arm(runs)["nvfp4"], runs_by_arm(runs)["bf16"])
+    assert iv.seeds == (0, 1) and iv.mean == pytest.approx(0.025)
+
+
+def test_a_diverged_seed_is_left_out_of_the_pairs_and_said():
+    runs = runs_by_arm([receipt("bf16-seed0", "bf16", 0, 3.0), receipt("bf16-seed1", "bf16", 1, 3.1),
+                        receipt("mxfp4-seed0", "mxfp4", 0, 3.05),
+                        receipt("mxfp4-seed1", "mxfp4", 1, None, status="diverged")])
+    iv = paired_gap(runs["mxfp4"], runs["bf16"])
+    assert iv.seeds == (0,)
+    text = arm_table(runs, {"bf16": "bf16", "mxfp4": "bf16"})
+    assert "1 of 2 diverged" in text and "1 seed: not resolved" in text
+
+
+def test_two_runs_of_one_arm_and_seed_are_an_error():
+    with pytest.raises(ValueError, match="two runs of arm 'bf16' with seed 0"):
+        runs_by_arm([receipt("bf16", "bf16", 0, 3.0), receipt("bf16-seed0", "bf16", 0, 3.0)])
+
+
+def test_report_writes_intervals_and_band_plots(tmp_path):
+    finals = {"bf16": (3.00, 3.10, 3.05), "nvfp4": (3.03, 3.12, 3.09)}
+    dirs = []
+    for arm, values in finals.items():
+        for seed, value in enumerate(values):
+            d = tmp_path / f"{arm}-seed{seed}"
+            d.mkdir()
+            (d / "receipt.json").write_text(json.dumps(receipt(d.name, arm, seed, value)))
+            dirs.append(d)
+    text, files = report(dirs, tmp_path / "out")
+    assert {f.name for f in files} == {"report.md", "loss.png", "gap.png"}
+    # gaps 0.03, 0.02, 0.04: mean 0.03, sd 0.01, half 4.303 * 0.01 / sqrt(3) = 0.0248
+    assert "| nvfp4 | nvfp4 | 3 |" in text and "+0.0300 [+0.0052, +0.0548]" in text and "| worse |" in text
+    with pytest.raises(ValueError, match="baseline arm 'fp8'"):
+        report(dirs, tmp_path / "out", baseline="fp8")
