@@ -71,7 +71,14 @@ def _study(args: argparse.Namespace) -> int:
     study = catalog.study(args.name)
     if not args.report_only:
         seeds = tuple(args.seeds) if args.seeds else None
-        run_study(study, catalog.scale(args.scale), out, seeds=seeds, jobs=args.jobs, **_settings(args.set))
+        arms = tuple(args.arms) if args.arms else None
+        try:
+            run_study(study, catalog.scale(args.scale), out, seeds=seeds, arms=arms, jobs=args.jobs,
+                      **_settings(args.set))
+        except RuntimeError as err:  # some runs failed: report what finished, then fail
+            print(err, file=sys.stderr)
+            write_report(study, out)
+            return 1
     text, files = write_report(study, out)
     print(text)
     print("wrote " + ", ".join(map(str, files)))
@@ -197,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--list", action="store_true", help="list the studies with their arms and cost")
     p.add_argument("--scale", default="smoke", help="smoke (CPU, seconds), gpu-small, gpu-medium")
     p.add_argument("--seeds", type=int, nargs="+", help="seeds to run (default: the scale's)")
+    p.add_argument("--arms", nargs="+", help="run only these arms (default: all; the report covers what is there)")
     p.add_argument("--jobs", type=int, default=1, help="runs at once, in subprocesses (GPU: small models)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="change a training setting of every run, e.g. steps=100")

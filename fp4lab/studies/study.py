@@ -166,8 +166,13 @@ class Study:
 
 
 def arm_configs(study: Study, scale: Scale, out: Path, *, seeds: tuple[int, ...] | None = None,
-                **changes: Any) -> list[TrainConfig]:
-    """One TrainConfig per (seed, arm), seed-major (``changes``: TrainConfig fields for all)."""
+                arms: tuple[str, ...] | None = None, **changes: Any) -> list[TrainConfig]:
+    """One TrainConfig per (seed, arm), seed-major (``arms``: a subset, e.g. the baseline and one
+    FP4 arm first; ``changes``: TrainConfig fields for all)."""
+    unknown = set(arms or ()) - {a.name for a in study.arms}
+    if unknown:
+        raise ValueError(f"study {study.name} has no arm {sorted(unknown)}; arms: "
+                         + ", ".join(a.name for a in study.arms))
     owned = {"seed": "use --seeds", "out": "use --out", "recipe": "arms choose recipes",
              "recipe_overrides": "arms choose recipes", "progress": "the runner sets it"}
     for key in changes:
@@ -180,6 +185,8 @@ def arm_configs(study: Study, scale: Scale, out: Path, *, seeds: tuple[int, ...]
     configs = []
     for seed in seeds or scale.seeds:
         for arm in study.arms:
+            if arms and arm.name not in arms:
+                continue
             overrides = {**arm.recipe_overrides, "seed": seed}
             configs.append(TrainConfig(**{**base, **arm.train}, out=str(Path(out) / f"{arm.name}-seed{seed}"),
                                        recipe=arm.recipe, recipe_overrides=overrides, seed=seed, progress=False))
@@ -208,28 +215,39 @@ def _run_one(cfg: TrainConfig) -> str:
             receipt = train(cfg, resume=True)
         except CheckpointError as err:
             print(f"{cfg.out}: not resuming ({err}); starting over", flush=True)
-    receipt = receipt or train(cfg)
+    try:
+        receipt = receipt or train(cfg)
+    except Exception as err:  # noqa: BLE001 -- one failed run (out of memory, bad data) must not stop the others
+        return f"{cfg.out}: FAILED ({type(err).__name__}: {err})"
     return f"{cfg.out}: {receipt['status']}, final val {receipt['final']['val_loss']}"
 
 
-def run_study(study: Study, scale: Scale, out: Path, *, seeds: tuple[int, ...] | None = None, jobs: int = 1,
-              **changes: Any) -> list[TrainConfig]:
-    """Train every missing (arm, seed) run -> all the study's configs."""
-    configs = arm_configs(study, scale, out, seeds=seeds, **changes)
+def run_study(study: Study, scale: Scale, out: Path, *, seeds: tuple[int, ...] | None = None,
+              arms: tuple[str, ...] | None = None, jobs: int = 1, **changes: Any) -> list[TrainConfig]:
+    """Train every missing (arm, seed) run -> the configs asked for. A run that fails is reported
+    (a FAILED line) and the others go on; raises RuntimeError at the end naming the failures."""
+    configs = arm_configs(study, scale, out, seeds=seeds, arms=arms, **changes)
     todo = [c for c in configs if not _done(c)]
     for source, vocab, max_bytes in {(c.data, c.vocab_size, c.data_max_bytes) for c in todo if c.data in CORPORA}:
         default_dataset(source, vocab_size=vocab, max_bytes=max_bytes)  # built once, before any worker starts
     bar = tqdm(total=len(configs), initial=len(configs) - len(todo), desc=study.name, unit="run")
+    failed = []
+
+    def done(line: str) -> None:
+        bar.write(line)
+        bar.update(1)
+        if ": FAILED (" in line:
+            failed.append(line)
     if jobs > 1 and len(todo) > 1:
         with multiprocessing.get_context("spawn").Pool(min(jobs, len(todo))) as pool:
             for line in pool.imap_unordered(_run_one, todo):
-                bar.write(line)
-                bar.update(1)
+                done(line)
     else:
         for cfg in todo:
-            bar.write(_run_one(cfg))
-            bar.update(1)
+            done(_run_one(cfg))
     bar.close()
+    if failed:
+        raise RuntimeError(f"{len(failed)} of {len(todo)} runs failed:\n" + "\n".join(failed))
     return configs
 
 

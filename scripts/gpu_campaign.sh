@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# Training campaigns longer than one device call (10 min): the lent machine keeps ignored paths
+# (runs/) while it stays warm, so one call starts the work in the background and the next calls
+# wait on it, each bringing back what finished.
+#   scripts/gpu_campaign.sh start NAME PHASE...   run the phases one after another, in the background
+#   scripts/gpu_campaign.sh wait [SECONDS]        wait until every campaign is done (or SECONDS pass)
+#   scripts/gpu_campaign.sh collect               $OUT/runs.tgz: receipts, logs, sizes (never checkpoints)
+# Phases:
+#   corpus                  build the "code" corpus; its size and build time -> runs/gpu/corpus.json
+#   study:NAME[:ARM,ARM]    fp4lab study NAME at $SCALE (default gpu-medium), $JOBS runs at once;
+#                           finished runs are skipped, stopped ones resume from their checkpoint
+#   sweep:MODEL:LRS:TOKENS  BF16 seed spread: MODEL at each learning rate (comma list), seeds 0 1 2,
+#                           TOKENS million tokens each, $JOBS at once (the stable-baseline sweep)
+set -u
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 FP4LAB_CACHE=${FP4LAB_CACHE:-/tmp/fp4lab-cache} OMP_NUM_THREADS=1
+OUT=${OUT:-/tmp/out}
+ROOT=runs/gpu
+mkdir -p "$ROOT"
+quiet() { grep --line-buffered -v -E "it/s|s/it|step/s|s/step|file/s|run/s|s/run"; }
+
+sweep() {  # MODEL LRS TOKENS
+  local model=$1 lrs=$2 millions=$3 batch=64 seq=512 warmup=100
+  [ "$model" = d12 ] && { batch=32; seq=1024; }
+  local steps=$(( millions * 1000000 / (batch * seq) ))
+  for lr in ${lrs//,/ }; do for seed in 0 1 2; do
+    echo "--model $model --data code --recipe bf16 --steps $steps --set batch_size=$batch --set seq_len=$seq \
+      --set lr=$lr --set warmup=$warmup --set eval_every=$(( steps / 4 )) --set seed=$seed --set progress=false \
+      --out $ROOT/sweep-$model/lr$lr-seed$seed"
+  done; done | xargs -P "${JOBS:-3}" -L 1 bash -c \
+      'out=${@: -1}; [ -f "$out/receipt.json" ] || python3 -m fp4lab train "$@" 2>&1 | tail -1' _
+  python3 -m fp4lab report "$ROOT"/sweep-"$model"/lr*-seed* --out "$ROOT/sweep-$model" --title "BF16 seed spread, $model" \
+    | grep -E "^\| lr" | head -20
+}
+
+run_phases() {
+  for phase in "$@"; do
+    echo "== $phase $(date +%T)"
+    case $phase in
+      corpus) python3 scripts/corpus_size.py 2>&1 | quiet | tee "$ROOT/corpus.json" ;;
+      study:*) IFS=: read -r _ name arms <<< "$phase"
+               python3 -m fp4lab study "$name" --scale "${SCALE:-gpu-medium}" --jobs "${JOBS:-6}" --out "$ROOT/$name" \
+                 ${arms:+--arms ${arms//,/ }} 2>&1 | quiet | grep -v "^|" ;;
+      sweep:*) IFS=: read -r _ model lrs millions <<< "$phase"; sweep "$model" "$lrs" "$millions" ;;
+      *) echo "unknown phase $phase" ;;
+    esac
+  done
+  echo "== done $(date +%T)"
+}
+
+case ${1:-} in
+  start) name=$2; shift 2
+         setsid nohup bash "$0" run "$@" > "$ROOT/$name.log" 2>&1 < /dev/null &
+         echo "started $name: $*" ;;
+  run) shift; run_phases "$@" ;;
+  wait) end=$(( $(date +%s) + ${2:-540} ))
+        while [ "$(date +%s)" -lt "$end" ]; do
+          pending=$(for f in "$ROOT"/*.log; do grep -q "^== done" "$f" || echo "$f"; done)
+          [ -z "$pending" ] && break
+          sleep 15
+        done
+        nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader
+        for f in "$ROOT"/*.log; do echo "-- $f"; tail -4 "$f"; done ;;
+  collect) find "$ROOT" \( -name receipt.json -o -name '*.log' -o -name '*.json' -o -name '*.md' \) \
+             -not -path '*/checkpoint/*' | tar czf "$OUT/runs.tgz" -T -
+           ls -la "$OUT" ;;
+  *) echo "usage: $0 start NAME PHASE... | wait [SECONDS] | collect"; exit 2 ;;
+esac
