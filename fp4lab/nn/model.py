@@ -6,7 +6,11 @@
 
 Every GEMM is an nn.Linear (or moe.GroupedExperts), so nn.swap.quantize_model can put each
 under a recipe; attention's softmax and the norms stay in high precision. The gains are 1 unless
-an NVFP4 recipe sets them (the MoE speedrun's embedding 10.667 / logits 0.125 finding).
+the recipe sets them (Recipe.embed_gain / logits_gain; the MoE speedrun's NVFP4 runs used
+embedding 10.667 / logits 0.125). They are a training change, not a quantization change: under
+AdamW an embedding gain g acts as a g-times larger embedding learning rate and initial scale,
+on any recipe. A comparison of an FP4 arm with gains against BF16 gives the BF16 arm the same
+gains (a BF16 recipe may set them), or it measures the gains along with the format.
 Norms have no weights (as modded-nanogpt); linears start N(0, 0.02), residual-output
 projections scaled by 1/sqrt(2 * depth). Model size has one knob, the depth (nanochat): see
 ``gpt_config``; named presets in ``MODEL_PRESETS``.

@@ -10,8 +10,12 @@ the contraction axis (fp4lab.formats.gemm's convention)::
 A ``Recipe`` holds one ``GemmSpec`` per GEMM; a ``GemmSpec`` holds one ``Operand`` per side (its
 format, rounding, blocks) and the GEMM's Hadamard rotation, applied to both operands along the
 contraction axis so that it cancels (NUMERICS.md "Hadamard transforms"). Layer selection (which
-modules are swapped at all), the late switch to BF16, and the NVFP4-only embedding / logit
-gains complete it. Recipes are frozen, load from TOML or JSON (``load_recipe``), print into
+modules are swapped at all: name patterns, and the first / last transformer blocks kept in BF16,
+as counts or as fractions of the model's depth, ``Recipe.bf16_blocks``), the late switch to BF16,
+and the embedding / logit gains complete it. The gains are a training change, not a quantization
+change (under AdamW an embedding gain g acts as a g-times larger embedding learning rate and
+initial scale), so every recipe, BF16 included, may set them, and a comparison of an FP4 arm
+with gains against BF16 must give the BF16 arm the same gains. Recipes are frozen, load from TOML or JSON (``load_recipe``), print into
 receipts (``recipe.to_dict()``), and a study arm is a recipe plus dotted overrides
 (``recipe.override({"wgrad.hadamard": "deterministic"})``).
 
@@ -20,13 +24,15 @@ Presets (functions returning a Recipe): ``bf16``, ``nvfp4`` (NVIDIA's recipe, ar
 per-GEMM progression of the AMD MXFP4 study: ``fprop``, ``fprop_dgrad``, ``fprop_dgrad_wgrad``.
 
 Public: ``Precision``, ``HadamardMode``, ``Bf16Scope``, ``Operand``, ``GemmSpec``, ``Recipe``,
-``PRESETS``, ``preset``, ``load_recipe``, ``dotted_keys`` and the preset functions.
+``PRESETS``, ``preset``, ``load_recipe``, ``dotted_keys``, ``NVIDIA_KEEP`` and the preset
+functions.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -142,18 +148,28 @@ class Recipe:
     dgrad: GemmSpec = BF16_GEMM
     wgrad: GemmSpec = BF16_GEMM
     keep_first: int = 0
-    """The first N transformer blocks' linears stay BF16 (NVIDIA: 2 of 62 at 12B)."""
+    """The first N transformer blocks' linears stay BF16 (NVIDIA: 2 of 62 at 12B); 0 when
+    ``keep_fraction`` is set."""
     keep_last: int = 0
-    """The last M transformer blocks' linears stay BF16 (NVIDIA: 8 of 62 at 12B)."""
+    """The last M transformer blocks' linears stay BF16 (NVIDIA: 8 of 62 at 12B); 0 when
+    ``keep_fraction`` is set."""
+    keep_fraction: tuple[float, float] | None = None
+    """(first, last) fractions of the model's transformer blocks kept in BF16, resolved against
+    the model's depth when the recipe is applied (``bf16_blocks``); when set it replaces
+    keep_first / keep_last, which must then be 0. None: the counts apply."""
     keep_bf16: tuple[str, ...] = ("lm_head", "*router*")
     """fnmatch patterns of module names never swapped (embeddings and norms are not linears)."""
     bf16_after: float | None = None
     """Fraction of training after which ``bf16_scope`` GEMMs switch to BF16 (None: never)."""
     bf16_scope: Bf16Scope = Bf16Scope.ALL
     embed_gain: float = 1.0
-    """Multiplies token embeddings (NVFP4 recipes only; the MoE speedrun used 10.667)."""
+    """Multiplies token embeddings (the MoE speedrun's NVFP4 runs used 10.667). A training
+    change, not a quantization change, allowed on every recipe: under AdamW it acts as a
+    10.7x embedding learning rate and initial scale. An FP4 arm with a gain is compared
+    against a BF16 arm with the same gain."""
     logits_gain: float = 1.0
-    """Multiplies the LM head's logits (NVFP4 recipes only; the MoE speedrun used 0.125)."""
+    """Multiplies the LM head's logits (the MoE speedrun's NVFP4 runs used 0.125): a training
+    change like ``embed_gain`` (an inverse softmax temperature), allowed on every recipe."""
     seed: int = 0
     """Root of every stochastic-rounding, dither and random-sign seed."""
 
@@ -163,12 +179,14 @@ class Recipe:
                 raise TypeError(f"{name} must be a GemmSpec, got {type(getattr(self, name)).__name__}")
         object.__setattr__(self, "keep_bf16", tuple(self.keep_bf16))
         object.__setattr__(self, "bf16_scope", Bf16Scope.parse(self.bf16_scope))
+        object.__setattr__(self, "keep_fraction", _keep_fraction(self.keep_fraction))
         if self.keep_first < 0 or self.keep_last < 0:
             raise ValueError(f"keep_first / keep_last must be >= 0, got {self.keep_first}, {self.keep_last}")
+        if self.keep_fraction is not None and (self.keep_first, self.keep_last) != (0, 0):
+            raise ValueError(f"keep_fraction {self.keep_fraction} replaces keep_first / keep_last, got "
+                             f"{self.keep_first}, {self.keep_last} as well; set one or the other")
         if self.bf16_after is not None and not 0.0 <= self.bf16_after <= 1.0:
             raise ValueError(f"bf16_after is a fraction of training in [0, 1], got {self.bf16_after}")
-        if (self.embed_gain, self.logits_gain) != (1.0, 1.0) and not self.uses(Precision.NVFP4):
-            raise ValueError("embed_gain / logits_gain are NVFP4-only; this recipe quantizes no GEMM to NVFP4")
         if not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         for gemm in GEMMS:
@@ -190,6 +208,30 @@ class Recipe:
     @property
     def quantized(self) -> bool:
         return any(getattr(self, g).quantized or getattr(self, g).rotated for g in GEMMS)
+
+    def bf16_blocks(self, n_blocks: int) -> tuple[int, int]:
+        """(first, last): how many of a model's ``n_blocks`` transformer blocks keep BF16
+        linears at the input end and at the output end. Counts (keep_first, keep_last) are clamped to the model, each block
+        counted once. Fractions (f, l) = keep_fraction round half up, the total first so that
+        the two parts add up to the rounded whole, and never keep every block:
+
+            total = min(floor(n (f + l) + 1/2), max(n - 1, 0))
+            first = min(floor(n f + 1/2), total),   last = total - first
+
+        NVIDIA's (2/62, 8/62) (the ``nvfp4`` preset) by depth n::
+
+            n      1-3     4-8     12      16      24      32      48      62
+            BF16   (0, 0)  (0, 1)  (0, 2)  (1, 2)  (1, 3)  (1, 4)  (2, 6)  (2, 8)
+        """
+        if n_blocks < 0:
+            raise ValueError(f"n_blocks must be >= 0, got {n_blocks}")
+        if self.keep_fraction is None:
+            first = min(self.keep_first, n_blocks)
+            return first, min(self.keep_last, n_blocks - first)
+        f_first, f_last = self.keep_fraction
+        total = min(_round_half_up(n_blocks * (f_first + f_last)), max(n_blocks - 1, 0))
+        first = min(_round_half_up(n_blocks * f_first), total)
+        return first, total - first
 
     def at_progress(self, progress: float) -> "Recipe":
         """The recipe in force at ``progress`` (fraction of training done): BF16 GEMMs after
@@ -224,8 +266,15 @@ class Recipe:
         return cls(**kwargs)
 
     def override(self, changes: dict[str, Any]) -> "Recipe":
-        """A copy with dotted keys replaced: {"wgrad.hadamard": "random", "keep_last": 2}."""
+        """A copy with dotted keys replaced: {"wgrad.hadamard": "random", "keep_last": 2}.
+
+        The BF16 blocks have one source of truth: overriding keep_first or keep_last (and not
+        keep_fraction) switches to counts, clearing keep_fraction (a count not given keeps its
+        value, 0 under a fraction); overriding keep_fraction with fractions (and no count)
+        zeroes the counts. So {"keep_first": 0, "keep_last": 0} removes the BF16 blocks of any
+        recipe, the ``nvfp4`` preset's fractions included."""
         data = self.to_dict()
+        data.update(_keep_switch(changes))
         for key, value in changes.items():
             node, *path = data, *key.split(".")
             for part in path[:-1]:
@@ -247,6 +296,32 @@ class Recipe:
             rot = f"  hadamard {spec.hadamard}/{spec.hadamard_size}" if spec.rotated else ""
             lines.append(f"  {gemm}: {sides}{rot}")
         return "\n".join(lines)
+
+
+def _keep_fraction(value: Any) -> tuple[float, float] | None:
+    """None, or a valid (first, last) pair of floats (a TOML/JSON list becomes a tuple)."""
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)) or len(value) != 2:
+        raise ValueError(f"keep_fraction is a (first, last) pair of fractions, got {value!r}")
+    first, last = (float(f) for f in value)
+    if not (0.0 <= first < 1.0 and 0.0 <= last < 1.0 and first + last < 1.0):
+        raise ValueError(f"keep_fraction fractions must lie in [0, 1) and sum below 1, got {value!r}")
+    return first, last
+
+
+def _round_half_up(x: float) -> int:
+    return math.floor(x + 0.5)
+
+
+def _keep_switch(changes: dict[str, Any]) -> dict[str, Any]:
+    """What else an override of the BF16-block keys resets (Recipe.override)."""
+    counts = {"keep_first", "keep_last"} & set(changes)
+    if counts and "keep_fraction" not in changes:
+        return {"keep_fraction": None}
+    if not counts and changes.get("keep_fraction") is not None:
+        return {"keep_first": 0, "keep_last": 0}
+    return {}
 
 
 def _describe_operand(op: Operand) -> str:
@@ -322,15 +397,24 @@ def bf16() -> Recipe:
     return Recipe(name="bf16")
 
 
-def nvfp4(*, keep_first: int = 1, keep_last: int = 1) -> Recipe:
+NVIDIA_KEEP = (2 / 62, 8 / 62)
+"""NVIDIA's BF16 blocks at 12B: the first 2 and the last 8 of 62 (16%, weighted to the output)."""
+
+
+def nvfp4(*, keep_first: int | None = None, keep_last: int | None = None) -> Recipe:
     """NVIDIA's NVFP4 recipe (arXiv 2509.25149; TE NVFP4BlockScaling): x and W RTNE (W in 16x16
     tiles), dy stochastic, the 16-point RHT with TE's signs on both Wgrad operands. NVIDIA kept
-    the first 2 and last 8 of 62 blocks in BF16 (~16%); the default here keeps 1 and 1."""
+    the first 2 and last 8 of 62 blocks in BF16; the preset keeps the same fractions of the
+    model's depth (keep_fraction = NVIDIA_KEEP; Recipe.bf16_blocks: d6 (0, 1), d12 (0, 2),
+    d16 (1, 2)), so the share of BF16 blocks does not grow as the model shrinks. Passing
+    keep_first and/or keep_last keeps those counts instead (an unset one is 0; no fraction)."""
     x, w = _fp4(Precision.NVFP4), _fp4(Precision.NVFP4, block2d=True)
     dy = _fp4(Precision.NVFP4, rounding=Rounding.STOCHASTIC)
+    counts = keep_first is not None or keep_last is not None
+    keep = (dict(keep_first=keep_first or 0, keep_last=keep_last or 0) if counts
+            else dict(keep_fraction=NVIDIA_KEEP))
     return Recipe(name="nvfp4", fprop=GemmSpec(a=x, b=w), dgrad=GemmSpec(a=dy, b=w),
-                  wgrad=GemmSpec(a=dy, b=x, hadamard=HadamardMode.FIXED),
-                  keep_first=keep_first, keep_last=keep_last)
+                  wgrad=GemmSpec(a=dy, b=x, hadamard=HadamardMode.FIXED), **keep)
 
 
 def nvfp4_plain() -> Recipe:

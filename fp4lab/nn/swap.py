@@ -3,21 +3,35 @@
 Selection, in order (a module is left alone, in BF16, when any rule keeps it):
     1. its name matches one of ``recipe.keep_bf16`` (fnmatch: "lm_head", "*router*" by default);
     2. it sits in transformer block i (a name segment "blocks.<i>" / "layers.<i>" / "h.<i>") with
-       i < keep_first or i >= n_blocks - keep_last.
+       i < first or i >= n_blocks - last, where (first, last) = recipe.bf16_blocks(n_blocks):
+       keep_first / keep_last, or keep_fraction resolved against the model's depth.
 Embeddings and norms are not linears and attention's softmax is not a GEMM, so they stay in
 high precision by construction. Modules with a ``use_recipe(recipe, name, context)`` method
-(moe.GroupedExperts) are handed the recipe under the same rules. The NVFP4-only gains go to the
-model's ``embed_gain`` / ``logits_gain`` attributes.
+(moe.GroupedExperts) are handed the recipe under the same rules. The recipe's gains (any
+recipe, BF16 included: they change training, not quantization) go to the model's
+``embed_gain`` / ``logits_gain`` attributes.
+
+What the selection resolved to is recorded for receipts (``coverage``, also at
+``model.fp4_coverage``)::
+
+    {"blocks": n_blocks, "bf16_first": first, "bf16_last": last,
+     "linears": {"fp4": n, "bf16": m}, "fp4_param_fraction": f}
+
+A linear is an nn.Linear (FP4Linear included) or a module taking a recipe (one GroupedExperts
+holds all of a layer's experts); it counts as fp4 when it runs a recipe that quantizes or
+rotates (``Recipe.quantized``: the FP4Linear of a BF16 recipe counts as bf16). f is the
+fraction of linear weight elements (expert weights included, biases not) in fp4 linears.
 
 Parameters are reused, not copied: state-dict keys, tying and optimizer state are unchanged.
 
-Public: ``quantize_model``, ``quant_context``, ``fp4_modules``.
+Public: ``quantize_model``, ``quant_context``, ``fp4_modules``, ``coverage``.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import re
+from typing import Any
 
 from torch import nn
 
@@ -32,23 +46,29 @@ def _block_index(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def _kept(name: str, recipe: Recipe, n_blocks: int) -> bool:
+def _n_blocks(model: nn.Module) -> int:
+    indices = (_block_index(name) for name, _ in model.named_modules())
+    return 1 + max((i for i in indices if i is not None), default=-1)
+
+
+def _kept(name: str, recipe: Recipe, bf16_blocks: tuple[int, int], n_blocks: int) -> bool:
     if any(fnmatch.fnmatchcase(name, p) for p in recipe.keep_bf16):
         return True
-    block = _block_index(name)
-    return block is not None and (block < recipe.keep_first or block >= n_blocks - recipe.keep_last)
+    block, (first, last) = _block_index(name), bf16_blocks
+    return block is not None and (block < first or block >= n_blocks - last)
 
 
 def quantize_model(model: nn.Module, recipe: Recipe, *, context: QuantContext | None = None) -> QuantContext:
     """Swap ``model``'s selected nn.Linear modules for FP4Linear under ``recipe`` (in place).
-    -> the QuantContext they share (also at ``model.fp4_context``): advance its tick and progress."""
+    -> the QuantContext they share (also at ``model.fp4_context``): advance its tick and progress.
+    The selection's ``coverage`` is recorded at ``model.fp4_coverage``."""
     if fp4_modules(model):
         raise ValueError("model already has FP4 layers; quantize the original model")
     context = context or QuantContext()
-    names = [name for name, _ in model.named_modules()]
-    n_blocks = 1 + max((i for i in map(_block_index, names) if i is not None), default=-1)
+    n_blocks = _n_blocks(model)
+    bf16_blocks = recipe.bf16_blocks(n_blocks)
     for name, module in list(model.named_modules()):
-        if not name or _kept(name, recipe, n_blocks):
+        if not name or _kept(name, recipe, bf16_blocks, n_blocks):
             continue
         if hasattr(module, "use_recipe"):
             module.use_recipe(recipe, name, context)
@@ -63,6 +83,7 @@ def quantize_model(model: nn.Module, recipe: Recipe, *, context: QuantContext | 
     if hasattr(model, "embed_gain"):
         model.embed_gain, model.logits_gain = gains
     model.fp4_context, model.fp4_recipe = context, recipe
+    model.fp4_coverage = coverage(model)
     return context
 
 
@@ -75,3 +96,32 @@ def fp4_modules(model: nn.Module) -> dict[str, nn.Module]:
     """name -> every module running a recipe (FP4Linear, or experts given one)."""
     return {name: m for name, m in model.named_modules()
             if isinstance(m, FP4Linear) or getattr(m, "recipe", None) is not None and hasattr(m, "use_recipe")}
+
+
+def coverage(model: nn.Module) -> dict[str, Any]:
+    """What runs in FP4, as plain data for receipts (the module doc's dict). A plain model has
+    every linear in bf16, and bf16_first / bf16_last None (no recipe selected blocks)."""
+    n_blocks = _n_blocks(model)
+    recipe = getattr(model, "fp4_recipe", None)
+    first, last = recipe.bf16_blocks(n_blocks) if recipe is not None else (None, None)
+    linears, weights = {"fp4": 0, "bf16": 0}, {"fp4": 0, "bf16": 0}
+    for module in model.modules():
+        if isinstance(module, nn.Linear) or hasattr(module, "use_recipe"):
+            kind = "fp4" if _runs_fp4(module) else "bf16"
+            linears[kind] += 1
+            weights[kind] += _weight_numel(module)
+    total = weights["fp4"] + weights["bf16"]
+    return {"blocks": n_blocks, "bf16_first": first, "bf16_last": last, "linears": linears,
+            "fp4_param_fraction": weights["fp4"] / total if total else 0.0}
+
+
+def _runs_fp4(module: nn.Module) -> bool:
+    recipe = getattr(module, "recipe", None)
+    return recipe is not None and recipe.quantized
+
+
+def _weight_numel(module: nn.Module) -> int:
+    """Elements of a linear's own weights: nn.Linear's weight, or every parameter of experts."""
+    if isinstance(module, nn.Linear):
+        return module.weight.numel()
+    return sum(p.numel() for p in module.parameters(recurse=False))

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from ..nn import GPT, StictionMeter, load_recipe, model_config, quantize_model
+from ..nn.swap import coverage
 from .checkpoint import load_checkpoint, recover_interrupted_save, save_checkpoint
 from .corpus import CORPORA, default_dataset
 from .data import TokenStream, dataset_meta, load_tokens
@@ -317,7 +318,7 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> dict[str, Any]:
         "schema": RECEIPT_SCHEMA, "name": out.name, "status": status, "message": message,
         "config": cfg.to_dict(), "recipe": recipe.to_dict(), "recipe_text": recipe.describe(),
         "model": mcfg.to_dict(), "params": model.num_params(), "active_params": n_active,
-        "data": data_info, "seed": cfg.seed, "world": world, **environment(device),
+        "data": data_info, "seed": cfg.seed, "world": world, "coverage": coverage(model), **environment(device),
         "evals": evals, "train_curve": train_curve[:: max(1, len(train_curve) // 500)],
         "final": {"val_loss": vals[-1] if vals else None, "min_val_loss": min(vals) if vals else None,
                   "train_loss": train_curve[-1][1] if train_curve else None, "steps": done},

@@ -6,8 +6,8 @@ import json
 import pytest
 
 from fp4lab.formats import MXScaleMode, Rounding
-from fp4lab.nn.recipe import (GEMMS, PRESETS, Bf16Scope, GemmSpec, HadamardMode, Operand, Precision, Recipe,
-                              fprop_dgrad, load_recipe, nvfp4, preset)
+from fp4lab.nn.recipe import (GEMMS, NVIDIA_KEEP, PRESETS, Bf16Scope, GemmSpec, HadamardMode, Operand, Precision,
+                              Recipe, bf16, fprop_dgrad, load_recipe, nvfp4, preset)
 
 
 @pytest.mark.parametrize("name", PRESETS)
@@ -57,7 +57,11 @@ def test_override_with_dotted_keys_and_toml_base(tmp_path):
     ({"fprop": {"a": {"format": "fp8"}}}, "unknown Precision"),
     ({"fprop": {"a": {"format": "nvfp4"}, "b": {"format": "mxfp4"}}}, "share a format"),
     ({"fprop": {"a": {"format": "mxfp4", "block2d": True}}}, "NVFP4 weight option"),
-    ({"embed_gain": 10.667}, "NVFP4-only"),
+    ({"keep_fraction": [0.1]}, r"pair of fractions, got \[0.1\]"),
+    ({"keep_fraction": 0.1}, "pair of fractions, got 0.1"),
+    ({"keep_fraction": [0.5, 0.5]}, r"sum below 1, got \[0.5, 0.5\]"),
+    ({"keep_fraction": [-0.1, 0.2]}, r"\[0, 1\)"),
+    ({"keep_fraction": [0.1, 0.2], "keep_last": 2}, "replaces keep_first / keep_last, got 0, 2"),
     ({"bf16_after": 1.5}, "fraction"),
     ({"fprop": {"hadamard_size": 64}}, "16 or 32"),
 ])
@@ -96,3 +100,57 @@ def test_bf16_after_switches_the_chosen_gemms():
 def test_describe_names_every_gemm():
     text = nvfp4().describe()
     assert "fprop: x nvfp4/rtne  W nvfp4/rtne/16x16" in text and "hadamard fixed/16" in text
+
+
+@pytest.mark.parametrize("n_blocks, want", [
+    (0, (0, 0)), (1, (0, 0)), (2, (0, 0)), (3, (0, 0)), (4, (0, 1)), (6, (0, 1)), (8, (0, 1)), (12, (0, 2)),
+    (16, (1, 2)), (24, (1, 3)), (32, (1, 4)), (48, (2, 6)), (62, (2, 8)),
+])
+def test_nvidia_fractions_resolve_against_depth_as_documented(n_blocks, want):
+    assert nvfp4().keep_fraction == NVIDIA_KEEP == (2 / 62, 8 / 62)
+    assert nvfp4().bf16_blocks(n_blocks) == want
+
+
+def test_bf16_blocks_clamps_and_never_keeps_every_block_of_a_fraction():
+    assert Recipe(keep_fraction=(0.9, 0.05)).bf16_blocks(2) == (1, 0)  # rounds to 2 of 2: one stays FP4
+    assert Recipe(keep_fraction=(0.0, 0.5)).bf16_blocks(3) == (0, 2)  # 1.5 rounds half up
+    assert nvfp4(keep_first=1, keep_last=1).bf16_blocks(6) == (1, 1)
+    assert nvfp4(keep_first=1, keep_last=1).bf16_blocks(1) == (1, 0)  # counts: each block once
+    assert nvfp4(keep_first=3, keep_last=3).bf16_blocks(4) == (3, 1)
+    with pytest.raises(ValueError, match="n_blocks must be >= 0, got -1"):
+        nvfp4().bf16_blocks(-1)
+
+
+def test_nvfp4_counts_replace_the_fractions():
+    r = nvfp4(keep_last=2)
+    assert (r.keep_fraction, r.keep_first, r.keep_last) == (None, 0, 2)
+    with pytest.raises(ValueError, match="set one or the other"):
+        dataclasses.replace(nvfp4(), keep_first=1)
+
+
+def test_overrides_switch_between_counts_and_fractions(tmp_path):
+    counts = nvfp4().override({"keep_first": 0, "keep_last": 0})  # the CPU demo's and the ablation's override
+    assert counts.keep_fraction is None and counts.bf16_blocks(62) == (0, 0)
+    assert nvfp4().override({"keep_last": 3}).bf16_blocks(62) == (0, 3)
+    frac = nvfp4(keep_first=1, keep_last=1).override({"keep_fraction": [0.1, 0.2]})
+    assert (frac.keep_fraction, frac.keep_first, frac.keep_last) == ((0.1, 0.2), 0, 0)
+    assert frac.bf16_blocks(10) == (1, 2)
+    assert nvfp4().override({"keep_fraction": None}).bf16_blocks(62) == (0, 0)
+    with pytest.raises(ValueError, match="set one or the other"):
+        nvfp4().override({"keep_fraction": [0.1, 0.2], "keep_first": 1})
+    path = tmp_path / "arm.toml"
+    path.write_text('base = "nvfp4"\nkeep_fraction = [0.25, 0.25]\n')
+    assert load_recipe(path).bf16_blocks(8) == (2, 2)
+    path.write_text(frac.to_toml())
+    assert load_recipe(path) == frac and "keep_fraction = [0.1, 0.2]" in frac.to_toml()
+
+
+def test_gains_are_allowed_on_every_recipe_and_round_trip(tmp_path):
+    """The gains change training, not quantization: a BF16 control arm must be able to take them."""
+    for base in (bf16(), preset("mxfp4"), nvfp4()):
+        r = base.override({"embed_gain": 10.667, "logits_gain": 0.125})
+        assert (r.embed_gain, r.logits_gain) == (10.667, 0.125)
+        assert Recipe.from_dict(json.loads(json.dumps(r.to_dict()))) == r
+        path = tmp_path / "r.toml"
+        path.write_text(r.to_toml())
+        assert load_recipe(path) == r
