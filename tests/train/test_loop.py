@@ -22,7 +22,7 @@ def _cfg(token_file, out, **kw) -> TrainConfig:
 
 RECEIPT_KEYS = {"schema", "name", "status", "message", "config", "recipe", "recipe_text", "model", "params",
                 "active_params", "data", "seed", "world", "git", "device", "versions", "evals", "train_curve",
-                "final", "wall_s", "tokens_per_s", "mfu", "flip_rate"}
+                "final", "wall_s", "tokens_per_s", "mfu", "flip_rate", "coverage"}
 
 
 def test_receipt_is_complete_and_loss_falls(token_file, tmp_path):
@@ -35,6 +35,10 @@ def test_receipt_is_complete_and_loss_falls(token_file, tmp_path):
     assert receipt["evals"][-1]["val_loss"] < receipt["evals"][0]["val_loss"] - 0.3
     assert receipt["recipe"]["name"] == "nvfp4_plain" and "fprop" in receipt["recipe_text"]
     assert receipt["data"]["tokens"] == 40_000 and receipt["versions"]["torch"]
+    split = receipt["data"]["split"]  # no end-of-text id in these tokens: held-out chunks
+    assert split["train_tokens"] + split["val_tokens"] == 40_000 and split["val_docs"] >= 1
+    assert receipt["data"]["epochs"] == pytest.approx(30 * 8 * 32 / split["train_tokens"], rel=0.05)
+    assert receipt["coverage"]["linears"]["fp4"] > 0 and receipt["coverage"]["fp4_param_fraction"] > 0.5
     assert set(receipt["git"]) == {"sha", "dirty", "diff_sha256"}
     assert [s for s, _ in receipt["flip_rate"]] == [10, 20, 30]
     assert all(0 < rate < 1 for _, rate in receipt["flip_rate"])  # codes move, not all of them
