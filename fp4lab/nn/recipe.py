@@ -15,8 +15,9 @@ as counts or as fractions of the model's depth, ``Recipe.bf16_blocks``), the lat
 and the embedding / logit gains complete it. The gains are a training change, not a quantization
 change (under AdamW an embedding gain g acts as a g-times larger embedding learning rate and
 initial scale), so every recipe, BF16 included, may set them, and a comparison of an FP4 arm
-with gains against BF16 must give the BF16 arm the same gains. Recipes are frozen, load from TOML or JSON (``load_recipe``), print into
-receipts (``recipe.to_dict()``), and a study arm is a recipe plus dotted overrides
+with gains against BF16 must give the BF16 arm the same gains. Recipes are frozen, load from
+TOML or JSON (``load_recipe``), print into receipts (``recipe.to_dict()``), and a study arm is
+a recipe plus dotted overrides
 (``recipe.override({"wgrad.hadamard": "deterministic"})``).
 
 Presets (functions returning a Recipe): ``bf16``, ``nvfp4`` (NVIDIA's recipe, arXiv
@@ -211,9 +212,10 @@ class Recipe:
 
     def bf16_blocks(self, n_blocks: int) -> tuple[int, int]:
         """(first, last): how many of a model's ``n_blocks`` transformer blocks keep BF16
-        linears at the input end and at the output end. Counts (keep_first, keep_last) are clamped to the model, each block
-        counted once. Fractions (f, l) = keep_fraction round half up, the total first so that
-        the two parts add up to the rounded whole, and never keep every block:
+        linears at the input end and at the output end. Counts (keep_first, keep_last) are
+        clamped to the model, each block counted once. Fractions (f, l) = keep_fraction round
+        half up, the total first so that the two parts add up to the rounded whole, and never
+        keep every block:
 
             total = min(floor(n (f + l) + 1/2), max(n - 1, 0))
             first = min(floor(n f + 1/2), total),   last = total - first

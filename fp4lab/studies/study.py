@@ -264,6 +264,13 @@ def load_study(study: Study, out: Path) -> dict[str, dict[int, dict]]:
         runs = sorted(Path(out).glob(f"{arm.name}-seed*/receipt.json"))
         if runs:
             found.update(runs_by_arm(load_receipts(runs)))
+    for arm in study.arms:  # a folder named after an arm must hold that arm's recipe
+        for receipt in found.get(arm.name, {}).values():
+            ran = (receipt["config"]["recipe"],
+                   {k: v for k, v in receipt["config"]["recipe_overrides"].items() if k != "seed"})
+            if ran != (arm.recipe, arm.recipe_overrides):
+                raise ValueError(f"{out}: {receipt['name']} ran recipe {ran[0]} with {ran[1]}, but arm {arm.name} "
+                                 f"is {arm.recipe} with {arm.recipe_overrides} (a run of an older definition?)")
     shared = {}
     for arm in study.arms:
         for receipt in found.get(arm.name, {}).values():

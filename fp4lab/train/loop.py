@@ -203,8 +203,9 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> dict[str, Any]:
             model, device_ids=[local_rank] if device.type == "cuda" else None, broadcast_buffers=False)
     if cfg.compile:
         runner = torch.compile(runner)
-    identity = {"config": {k: v for k, v in cfg.to_dict().items() if k not in ("out", "steps", "progress",
-                                                                               "ckpt_every", "compile", "stop_at")},
+    # what a checkpoint must match to be resumed; steps stays in: another budget is another schedule
+    identity = {"config": {k: v for k, v in cfg.to_dict().items() if k not in ("out", "progress", "ckpt_every",
+                                                                               "compile", "stop_at")},
                 "model": mcfg.to_dict(), "recipe": recipe.to_dict(), "data": data_info["identity"], "world": world}
 
     start, evals, train_curve, flips, wall_before = 0, [], [], [], 0.0
