@@ -2,7 +2,7 @@
 
 A run directory (train.loop) holds ``receipt.json`` and ``checkpoint/`` (model.safetensors,
 state.json whose identity holds the ModelConfig and the training recipe). ``load_run`` rebuilds
-the GPT from them, strictly, with the training recipe's NVFP4-only gains applied
+the GPT from them, strictly, with the training recipe's gains applied
 (``x = wte(idx) * embed_gain``, ``logits = lm_head(rms(x)) * logits_gain``, as
 nn.swap.quantize_model sets them), and no FP4 layers: the high-precision ("BF16") model. For a
 BF16 run that is the trained function exactly; for an FP4 run it is the master weights with
@@ -20,7 +20,7 @@ dgrad and wgrad stay BF16 (inference runs fprop only). Every transformer block i
 (keep_first = keep_last = 0); ``lm_head`` and MoE routers stay BF16 (the recipe's default
 ``keep_bf16``); MoE experts follow through quantize_model (GroupedExperts.use_recipe). The
 weights are quantized from the high-precision weights on each call (RTNE: deterministic), not
-stored. The gains carry over (an MXFP4 recipe cannot hold them, so they are set on the copy).
+stored. The gains carry over into the copy's recipe.
 
 ``ptq_report`` compares the two models on the run's validation split (data.TokenStream rebuilt
 with the run's seq_len, micro-batch, held-out fraction and end-of-text id: the documents
@@ -126,14 +126,9 @@ def post_training_quantize(model: nn.Module, fmt: str = "nvfp4") -> nn.Module:
         raise ValueError(f"post-training quantization format must be one of {PTQ_FORMATS}, got {fmt!r}")
     precision = Precision.parse(fmt)
     gains = (getattr(model, "embed_gain", 1.0), getattr(model, "logits_gain", 1.0))
-    changes: dict[str, Any] = {"name": f"ptq_{fmt}"}
-    if precision is Precision.NVFP4:
-        changes.update(embed_gain=gains[0], logits_gain=gains[1])
-    recipe = fprop(precision).override(changes)
+    recipe = fprop(precision).override({"name": f"ptq_{fmt}", "embed_gain": gains[0], "logits_gain": gains[1]})
     qmodel = copy.deepcopy(model)
-    quantize_model(qmodel, recipe)
-    if hasattr(qmodel, "embed_gain"):
-        qmodel.embed_gain, qmodel.logits_gain = gains
+    quantize_model(qmodel, recipe)  # sets the copy's gains from the recipe
     return qmodel.eval()
 
 

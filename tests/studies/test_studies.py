@@ -53,7 +53,7 @@ def test_a_finished_run_is_kept_and_a_changed_one_rerun(tmp_path):
     assert [c.steps for c in configs] == [5] * len(study.arms)
     # a run of another budget left beside them (another seed, so nothing overwrote it) is refused
     stray = json.loads((tmp_path / "bf16-seed0" / "receipt.json").read_text())
-    stray["config"]["steps"], stray["name"] = 7, "bf16-seed9"
+    stray["config"]["steps"], stray["name"], stray["seed"] = 7, "bf16-seed9", 9
     (tmp_path / "bf16-seed9").mkdir()
     (tmp_path / "bf16-seed9" / "receipt.json").write_text(json.dumps(stray))
     with pytest.raises(ValueError, match="steps is 5 in .* but 7 in bf16-seed9"):

@@ -93,7 +93,7 @@ def test_corrupt_or_foreign_checkpoints_are_refused(token_file, tmp_path):
 
 def test_an_interrupted_save_leaves_the_previous_checkpoint(token_file, tmp_path, monkeypatch):
     from fp4lab.train import checkpoint as ckpt_mod
-    train(_cfg(token_file, tmp_path / "run", steps=4, eval_every=4))
+    train(_cfg(token_file, tmp_path / "run", steps=8, eval_every=4, stop_at=4))
     before = (tmp_path / "run" / "checkpoint" / "state.json").read_text()
 
     def boom(*args, **kwargs):
