@@ -1,6 +1,6 @@
 """Convert a gpt-oss-style MXFP4 safetensors checkpoint to NVFP4, one tensor at a time.
 
-Input (NUMERICS.md "Checkpoint layouts"): pairs ``<base>_blocks`` uint8 [..., out, in/32, 16]
+Input (docs/numerics.md "Checkpoint layouts"): pairs ``<base>_blocks`` uint8 [..., out, in/32, 16]
 (two E2M1 codes a byte, low nibble first) and ``<base>_scales`` uint8 [..., out, in/32] (E8M0);
 every other tensor is copied unchanged. Each pair becomes, with ``method`` (default best):
 

@@ -7,7 +7,7 @@ the power of two 2^(k_j - m), and E4M3 holds exactly 2^-9 .. 2^8: verbatim is ex
 k_j - m is in [-9, 8] for every block, i.e. iff the tensor's block-exponent spread
 k_max - k_min <= 17 (blocks that are all zero take any scale and are left out of the spread).
 
-Methods (NUMERICS.md "MXFP4 -> NVFP4 conversion", after the Model-Optimizer draft study):
+Methods (docs/numerics.md "MXFP4 -> NVFP4 conversion", after the Model-Optimizer draft study):
     requant          Algo 1: dequantize, requantize with quantize_nvfp4 (profile te).
     verbatim-mid     Algo 2: codes verbatim, m centred on the exponent range, out-of-range
                      block scales snapped to 2^-9 or 2^8 (those blocks change by a power of two).

@@ -13,11 +13,11 @@ Minifloat encoding (E2M1 and E4M3 share one routine, ``_encode_magnitude``)::
 The ``+`` lets a mantissa carry roll into the exponent field, which is exactly how a rounding
 up to the next binade is encoded. ``round`` is round-to-nearest-even on the dropped bits, or
 stochastic: with 8 random bits ``r`` per element, round up iff ``r / 256 < dropped / 2^s``
-(the software form of Blackwell's ``cvt.rs``, NUMERICS.md "Stochastic rounding"). The result
+(the software form of Blackwell's ``cvt.rs``, docs/numerics.md "Stochastic rounding"). The result
 is then clamped to the largest finite code ("satfinite"): +Inf and anything above the maximum
 saturate, which is also what the hardware conversions with ``.satfinite`` do.
 
-Formats (NUMERICS.md "Element and scale codes")::
+Formats (docs/numerics.md "Element and scale codes")::
 
     E2M1   1-2-1, bias 1, values 0, .5, 1, 1.5, 2, 3, 4, 6; bit 3 is the sign; no NaN, no Inf
     E4M3fn 1-4-3, bias 7, max 448 (0x7E); S.1111.111 is NaN; no Inf

@@ -3,7 +3,7 @@
 Both operands are quantized along K, the contraction axis, and stored K-last: A is [M, K]
 quantized along axis 1 (stored [M, K/2]) or A^T, a [K, M] tensor quantized along axis 0 (stored
 the same way: TE's columnwise copy); likewise B. A 16x16-tiled weight works the same. ``scaled_mm`` follows the
-hardware semantics (NUMERICS.md "Scaled GEMM semantics")::
+hardware semantics (docs/numerics.md "Scaled GEMM semantics")::
 
     acc[m, n] = sum over blocks j, in order j = 0, 1, ...:
                 (sum_i a_code[m, j, i] * b_code[n, j, i]) * (sa[m, j] * sb[n, j])   fp32

@@ -9,7 +9,7 @@ of the first 128 rows first). Inside a tile, row m and column k land at
 
     offset(m, k) = ((m // 128) * (Kp // 4) + k // 4) * 512 + (m % 32) * 16 + ((m % 128) // 32) * 4 + k % 4
 
-Check (NUMERICS.md): with Kp = 8, (m=5, k=2) -> 82 and (5, 5) -> 593. Padding bytes are zero.
+Check (docs/numerics.md "Scale-factor layout"): with Kp = 8, (m=5, k=2) -> 82 and (5, 5) -> 593. Padding bytes are zero.
 As a reshape: [Rp, Kp] -> [Rp/128, 4, 32, Kp/4, 4] -> permute (0, 3, 2, 1, 4) -> flat.
 
 Public: ``swizzled_offset``, ``swizzle_scales``, ``unswizzle_scales``, ``with_scale_layout``.

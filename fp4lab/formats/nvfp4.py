@@ -5,7 +5,7 @@ magnitude: the tensor scale maps the tensor's amax onto 448 * 6, the largest val
 times an element can express. Both profiles (types.NVFP4Profile) compute in fp32, one rounding
 per operation, in exactly this order::
 
-    profile te (default: TransformerEngine, torchao training; NUMERICS.md "NVFP4")
+    profile te (default: TransformerEngine, torchao training; docs/numerics.md "NVFP4")
       amax  = max |x| over the tensor (finite values; or the caller's all-reduced global_amax)
       S_enc = min(2688 / amax, FLT_MAX);  S_enc = 1 if amax == 0 or S_enc == 0;  S_dec = 1 / S_enc
       s_b   = e4m3(min(block_amax * (S_enc * fp32(1/6)), 448))     no lower clamp: tiny -> 0

@@ -9,7 +9,7 @@ the contraction axis (fp4lab.formats.gemm's convention)::
 
 A ``Recipe`` holds one ``GemmSpec`` per GEMM; a ``GemmSpec`` holds one ``Operand`` per side (its
 format, rounding, blocks) and the GEMM's Hadamard rotation, applied to both operands along the
-contraction axis so that it cancels (NUMERICS.md "Hadamard transforms"). Layer selection (which
+contraction axis so that it cancels (docs/numerics.md "Hadamard transforms"). Layer selection (which
 modules are swapped at all: name patterns, and the first / last transformer blocks kept in BF16,
 as counts or as fractions of the model's depth, ``Recipe.bf16_blocks``), the late switch to BF16,
 and the embedding / logit gains complete it. The gains are a training change, not a quantization

@@ -1,5 +1,5 @@
 """Study: MXFP4 -> NVFP4 conversion methods on 27 input scenarios (after the Model-Optimizer
-draft study; NUMERICS.md "MXFP4 -> NVFP4 conversion").
+draft study; docs/numerics.md "MXFP4 -> NVFP4 conversion").
 
 Each scenario is a seeded generator, pinned by the SHA-256 of its float32 bytes. Every input is
 encoded to MXFP4 with fp4lab's RCEIL encoder (the NVIDIA conversion rule; ``--mx-mode`` changes

@@ -1,7 +1,7 @@
 """check_layout: does a scale swizzle put every byte where the 128x4 layout says, padding included,
 and does the unswizzle invert it?
 
-The layout (formats.layout, NUMERICS.md): scales S [rows, cols] are zero-padded to Rp = 128 *
+The layout (formats.layout, docs/numerics.md "Scale-factor layout"): scales S [rows, cols] are zero-padded to Rp = 128 *
 ceil(rows / 128), Kp = 4 * ceil(cols / 4), and byte (m, k) goes to
 
     offset(m, k) = ((m // 128) * (Kp // 4) + k // 4) * 512 + (m % 32) * 16 + ((m % 128) // 32) * 4 + k % 4

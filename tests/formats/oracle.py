@@ -1,4 +1,4 @@
-"""A second, deliberately naive implementation of the NUMERICS.md formulas, for testing the
+"""A second, deliberately naive implementation of the docs/numerics.md formulas, for testing the
 reference: scalar numpy float32 arithmetic (IEEE single, one rounding per operation) and
 brute-force nearest-value searches instead of bit manipulation. Slow; small inputs only."""
 

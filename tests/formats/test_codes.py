@@ -23,7 +23,7 @@ def test_e2m1_every_code_round_trips():
     assert torch.equal(C.encode_e2m1(C.decode_e2m1(codes)), codes)
 
 
-# NUMERICS.md "E2M1": ties to even code, saturation, signed zero
+# docs/numerics.md "Element and scale codes": ties to even code, saturation, signed zero
 E2M1_CASES = [(0.25, 0), (0.75, 2), (1.25, 2), (1.75, 4), (2.5, 4), (3.5, 6), (5.0, 6),
               (0.2500001, 1), (0.7499999, 1), (4.9999995, 6), (5.0000005, 7),
               (6.0, 7), (7.0, 7), (1e30, 7), (math.inf, 7), (-0.0, 8), (-0.25, 8), (-5.0, 14),

@@ -27,7 +27,7 @@ def test_matches_the_scalar_oracle(mode, seed):
     assert unpack_nibbles(q.codes).flatten().tolist() == codes
 
 
-# (amax, floor, ceil, even, rceil): NUMERICS.md "MXFP4"
+# (amax, floor, ceil, even, rceil): docs/numerics.md "MXFP4"
 EXPONENT_CASES = [(7.9, 0, 1, 1, 1), (6.0, 0, 1, 0, 0), (4.0, 0, 0, 0, 0), (6.1, 0, 1, 0, 1),
                   (7.0, 0, 1, 1, 1), (1.0, -2, -2, -2, -2), (0.75, -3, -2, -3, -3), (2.0**-130, -127, -127, -127, -127),
                   (3.0e38, 125, 126, 126, 126), (0.0, -127, -127, -127, -127)]

@@ -21,7 +21,7 @@ def test_presets_round_trip_through_dict_json_and_toml(name, tmp_path):
 
 
 def test_the_nvidia_recipe_table():
-    """NUMERICS.md: x RTNE 1x16, W RTNE 16x16, dy stochastic; RHT (TE signs, 16) on Wgrad only."""
+    """docs/numerics.md "The NVIDIA training recipe": x RTNE 1x16, W RTNE 16x16, dy stochastic; RHT (TE signs, 16) on Wgrad only."""
     r = nvfp4()
     assert r.fprop.a == Operand(format="nvfp4") and r.fprop.b == Operand(format="nvfp4", block2d=True)
     assert r.dgrad.a == Operand(format="nvfp4", rounding="stochastic") and r.dgrad.b == r.fprop.b

@@ -29,7 +29,7 @@ def test_fp4lab_layout_passes():
 
 
 def test_describe_offset_matches_numerics_examples():
-    # NUMERICS.md: with Kp = 8, (m=5, k=2) -> 82 and (5, 5) -> 593
+    # docs/numerics.md "Scale-factor layout": with Kp = 8, (m=5, k=2) -> 82 and (5, 5) -> 593
     assert swizzled_offset(5, 2, 8) == 82 and swizzled_offset(5, 5, 8) == 593
     assert describe_offset(82, 8) == dict(offset=82, row_tile=0, col_group=0, row_in_slab=5, slab=0,
                                           col_in_group=2, row=5, col=2)

@@ -1,4 +1,4 @@
-"""diff_quantizers: the te vs torchao differences NUMERICS.md predicts, planted rounding changes,
+"""diff_quantizers: the te vs torchao differences docs/numerics.md predicts, planted rounding changes,
 and nothing at all for a quantizer against itself."""
 
 import math
@@ -46,7 +46,7 @@ def test_all_zero_and_tiny_blocks_te_flushes_torchao_floors():
 
 
 def test_e4m3_tie_in_the_block_scale():
-    # NUMERICS.md / tests/formats: amax 260, block amax 0.01190185546875 -> exact scale 0.0205078125,
+    # docs/numerics.md "NVFP4" / tests/formats: amax 260, block amax 0.01190185546875 -> exact scale 0.0205078125,
     # the midpoint of E4M3 0x0a and 0x0b; te's folded fp32(1/6) rounds it up
     x = torch.tensor([[260.0] + [0.0] * 15, [0.01190185546875] + [0.0] * 15])
     diff = diff_quantizers(te, torchao, x, names=("te", "torchao"))
