@@ -53,7 +53,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .nn import GPT, ModelConfig, Precision, Recipe, quantize_model
+from .formats import Format
+from .nn import GPT, ModelConfig, Recipe, quantize_model
 from .nn.recipe import fprop
 from .train.corpus import EOT
 from .train.data import TokenStream, load_tokens
@@ -124,7 +125,7 @@ def post_training_quantize(model: nn.Module, fmt: str = "nvfp4") -> nn.Module:
     doc); ``model`` itself is untouched. The copy's recipe is at ``copy.fp4_recipe``."""
     if fmt not in PTQ_FORMATS:
         raise ValueError(f"post-training quantization format must be one of {PTQ_FORMATS}, got {fmt!r}")
-    precision = Precision.parse(fmt)
+    precision = Format.parse(fmt)
     gains = (getattr(model, "embed_gain", 1.0), getattr(model, "logits_gain", 1.0))
     recipe = fprop(precision).override({"name": f"ptq_{fmt}", "embed_gain": gains[0], "logits_gain": gains[1]})
     qmodel = copy.deepcopy(model)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from .formats import Format, FP4Tensor, quant_stats, quantize_mxfp4, quantize_nvfp4
+from .formats import Format, FP4Tensor, quant_stats, spec_of
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,12 +92,9 @@ def encoding_label(q: FP4Tensor) -> str:
 
 
 def _quantize(x: torch.Tensor, config: InspectConfig):
-    if config.format == "mxfp4":
-        return quantize_mxfp4(x, mode=config.mode, pad=True)
-    if config.format != "nvfp4":
-        raise ValueError(f"unknown format {config.format!r}; expected 'nvfp4' or 'mxfp4'")
-    block = config.block if x.dim() == 2 else 16
-    return quantize_nvfp4(x, block=block, profile=config.profile, pad=True)
+    spec = spec_of(config.format)
+    block = config.block if x.dim() == 2 else 16  # 16x16 tiles need a matrix
+    return spec.quantize(x, pad=True, **spec.select({"mode": config.mode, "profile": config.profile, "block": block}))
 
 
 def format_table(rows: list[dict]) -> str:

@@ -30,14 +30,14 @@ import torch
 from safetensors import safe_open
 
 from ..formats import FP4Tensor, dequantize
-from ..formats.types import Format, NVFP4Profile, _Choice
+from ..formats.types import Format, NVFP4Profile, Choice
 from .mxfp4_to_nvfp4 import mxfp4_to_nvfp4
 
 _DTYPES = {"U8": torch.uint8, "F8_E4M3": torch.float8_e4m3fn, "F32": torch.float32, "BF16": torch.bfloat16,
            "F16": torch.float16, "I64": torch.int64, "I32": torch.int32, "F64": torch.float64, "BOOL": torch.bool}
 
 
-class Layout(_Choice):
+class Layout(Choice):
     MODELOPT = "modelopt"
     COMPRESSED_TENSORS = "compressed-tensors"
 

@@ -34,14 +34,14 @@ import torch
 
 from ..formats import block_values, quantize_nvfp4, with_scale_layout
 from ..formats.codes import UE8M0_NAN, encode_e4m3
-from ..formats.types import Format, FP4Tensor, NVFP4Profile, Rounding, ScaleLayout, _Choice
+from ..formats.types import Format, FP4Tensor, NVFP4Profile, Rounding, ScaleLayout, Choice
 
 E4M3_EXP_MIN, E4M3_EXP_MAX = -9, 8  # the powers of two E4M3 holds
 SEARCH_WINDOW = 8  # candidate m: k_max - 8 and k_min + 9, widened by W on either side
 M_RANGE = (-126, 116)  # S_dec = 2^m and the requant amax 2688 * 2^m stay normal fp32
 
 
-class ConvertMethod(_Choice):
+class ConvertMethod(Choice):
     REQUANT = "requant"
     VERBATIM_MID = "verbatim-mid"
     VERBATIM_SEARCH = "verbatim-search"

@@ -13,15 +13,15 @@ from __future__ import annotations
 import torch
 
 from .blocks import blocks_of, restore
-from .codes import decode_e2m1, decode_e4m3, decode_ue8m0, unpack_nibbles
+from .codes import decode_e2m1, unpack_nibbles
 from .layout import with_scale_layout
-from .types import Format, FP4Tensor, ScaleLayout
+from .types import FP4Tensor, ScaleLayout
 
 
 def block_scales(q: FP4Tensor) -> torch.Tensor:
     """q -> [*lead, Lp / block_len] float32 decoded block scales (E4M3 or UE8M0), plain layout."""
     q = with_scale_layout(q, ScaleLayout.PLAIN)
-    return (decode_e4m3 if q.format is Format.NVFP4 else decode_ue8m0)(q.scales)
+    return q.format.spec.decode_scale(q.scales)
 
 
 def block_values(q: FP4Tensor) -> torch.Tensor:

@@ -29,13 +29,13 @@ import torch
 
 from .blocks import resolve_seed
 from .rng import random_bytes
-from .types import _Choice
+from .types import Choice
 
 TE_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
 SIZES = (16, 32)
 
 
-class HadamardSigns(_Choice):
+class HadamardSigns(Choice):
     NONE = "none"
     """All +1: the plain (deterministic) Hadamard."""
     TE = "te"

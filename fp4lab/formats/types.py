@@ -20,9 +20,11 @@ from dataclasses import dataclass
 import torch
 
 
-class _Choice(str, enum.Enum):
+class Choice(str, enum.Enum):
+    """A named choice: an enum whose members are also their string names (as configs spell them)."""
+
     @classmethod
-    def parse(cls, value: "str | _Choice") -> "_Choice":
+    def parse(cls, value: "str | Choice") -> "Choice":
         if isinstance(value, cls):
             return value
         try:
@@ -35,14 +37,29 @@ class _Choice(str, enum.Enum):
         return self.value
 
 
-class Format(_Choice):
+class Format(Choice):
+    """The number format of a tensor or GEMM operand. The block-scaled ones have an entry in
+    spec.FORMAT_SPECS (``fmt.spec``), which holds everything that differs between them."""
+
+    BF16 = "bf16"
+    """Not quantized: the tensor as it is (in a GEMM, the compute dtype)."""
     NVFP4 = "nvfp4"
     """E2M1 elements, 16-element blocks, E4M3 block scale, FP32 tensor scale."""
     MXFP4 = "mxfp4"
     """E2M1 elements, 32-element blocks, UE8M0 (power of two) block scale, no tensor scale."""
 
+    @property
+    def quantized(self) -> bool:
+        return self is not Format.BF16
 
-class Rounding(_Choice):
+    @property
+    def spec(self):
+        """-> spec.FormatSpec (ValueError for BF16)."""
+        from .spec import spec_of  # the table imports the quantizers, which import this module
+        return spec_of(self)
+
+
+class Rounding(Choice):
     RTNE = "rtne"
     """Round to nearest, ties to even code (0.25 -> 0, 0.75 -> 1, 2.5 -> 2, 5 -> 4)."""
     STOCHASTIC = "stochastic"
@@ -50,7 +67,7 @@ class Rounding(_Choice):
     8-random-bit semantics of Blackwell's cvt.rs.satfinite.e2m1x4.f32; bits from rng.py."""
 
 
-class NVFP4Profile(_Choice):
+class NVFP4Profile(Choice):
     TE = "te"
     """TransformerEngine / torchao training: S_enc = 2688 / amax (FLT_MAX-clamped, 1 if amax is 0),
     s_b = e4m3(min(block_amax * (S_enc * fp32(1/6)), 448)) with no lower clamp,
@@ -61,7 +78,7 @@ class NVFP4Profile(_Choice):
     elements x * ((1 / per_tensor_scale) / fp32(s_b))."""
 
 
-class MXScaleMode(_Choice):
+class MXScaleMode(Choice):
     FLOOR = "floor"
     """OCP MX v1.0: e = floor(log2(amax)) - 2. Can clip: amax 7.9 -> 2^0 -> 7.9 saturates to 6."""
     CEIL = "ceil"
@@ -73,7 +90,7 @@ class MXScaleMode(_Choice):
     (cuBLAS / NVIDIA conversions, ModelOpt)."""
 
 
-class ScaleLayout(_Choice):
+class ScaleLayout(Choice):
     PLAIN = "plain"
     """scales[..., j] is block j of the row, row-major."""
     SWIZZLED = "swizzled"
@@ -87,9 +104,9 @@ class FP4Tensor:
     codes: torch.Tensor
     """[*lead, Lp // 2] uint8, two E2M1 codes per byte, element 2i in the low nibble."""
     scales: torch.Tensor
-    """[*lead, Lp // block_len]: float8_e4m3fn (NVFP4) or uint8 UE8M0 (MXFP4); flat if swizzled."""
+    """[*lead, Lp // block_len] of the format's scale_dtype (spec.FORMAT_SPECS); flat if swizzled."""
     tensor_scale: torch.Tensor | None
-    """[] float32 decode multiplier S_dec (NVFP4), None for MXFP4."""
+    """[] float32 decode multiplier S_dec where the format has one (NVFP4), else None."""
     shape: torch.Size
     """Logical shape of the source tensor (before moving the axis and padding)."""
     axis: int
@@ -114,7 +131,10 @@ class FP4Tensor:
         object.__setattr__(self, "shape", torch.Size(self.shape))
         if self.codes.dtype != torch.uint8:
             raise TypeError(f"codes must be packed uint8, got {self.codes.dtype}")
-        scale_dtype = torch.float8_e4m3fn if self.format is Format.NVFP4 else torch.uint8
+        spec = self.format.spec
+        if self.block not in spec.blocks:
+            raise ValueError(f"{self.format} blocks are {spec.blocks}, got {self.block}")
+        scale_dtype = spec.scale_dtype
         if self.scales.dtype != scale_dtype:
             raise TypeError(f"{self.format} scales must be {scale_dtype}, got {self.scales.dtype}")
 

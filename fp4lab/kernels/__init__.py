@@ -1,10 +1,19 @@
 """fp4lab.kernels: fast paths with fp4lab.formats' signatures and bytes, chosen per call.
 
+This face owns two choices the layers above never make: the backend, and the operand form.
+
 ``Backend`` picks the implementation: AUTO (the default) runs Triton for CUDA tensors and the
 reference (fp4lab.formats) for everything else; REFERENCE forces the reference (for debugging);
 TRITON forces Triton (CUDA, or any device under TRITON_INTERPRET=1). The environment variable
 FP4LAB_BACKEND sets the default. Where Triton is missing, AUTO warns once and uses the reference.
 Triton is imported here lazily, so this package imports on a machine without it.
+
+Operand forms (docs/design.md "Operand forms"): a GEMM operand is quantized to ``BlockValues``
+(exact bf16 code * block scale and the tensor scale: what BF16 tensor cores multiply), written by
+the quantize pass itself on Triton (``quantize_values``) or decoded from the reference's
+FP4Tensor (``to_values``); ``values_mm`` multiplies one pair, ``grouped_values_mm`` one pair per
+MoE expert in one launch. Both backends compute the same function (formats.emulated_mm's): the
+same exact products, an FP32 accumulation, alpha once.
 
 Files: elements.py (device functions for codes), quantize.py (NVFP4/MXFP4 quantize, fused
 Hadamard), amax.py (tensor amax pass), decode.py (dequantize), gemm.py (emulated FP4 GEMM),
@@ -12,8 +21,9 @@ operand.py (BlockValues: a quantized operand decoded for BF16 tensor cores), mat
 BF16 GEMM with alpha in the epilogue, dense and grouped).
 Speed: benchmarks/README.md; correctness: tests/kernels (bytes equal to fp4lab.formats).
 
-Public: ``Backend``, ``quantize_nvfp4``, ``quantize_mxfp4``, ``dequantize``, ``fake_quantize``,
-``fp4_mm``, ``uses_triton``, ``BlockValues``, ``quantize_values``, ``values_mm``, ``grouped_fp4_mm``.
+Public: ``Backend``, ``FAST_QUANTIZERS``, ``quantize_as``, ``quantize_nvfp4``, ``quantize_mxfp4``,
+``dequantize``, ``fake_quantize``, ``fp4_mm``, ``uses_triton``, ``BlockValues``, ``quantize_values``,
+``to_values``, ``values_mm``, ``grouped_values_mm``, ``grouped_fp4_mm``.
 """
 
 from __future__ import annotations
@@ -25,12 +35,12 @@ import warnings
 import torch
 
 from .. import formats
-from ..formats.types import FP4Tensor, _Choice
+from ..formats.types import Choice, Format, FP4Tensor
 from .operand import BlockValues
 from .operand import alpha as operand_alpha
 
 
-class Backend(_Choice):
+class Backend(Choice):
     AUTO = "auto"
     """Triton for CUDA tensors, the reference otherwise."""
     REFERENCE = "reference"
@@ -67,20 +77,35 @@ def uses_triton(x: torch.Tensor, backend: str | Backend | None = None) -> bool:
     return x.is_cuda
 
 
+FAST_QUANTIZERS: dict[Format, tuple[str, str]] = {
+    Format.NVFP4: ("quantize_nvfp4", "nvfp4_block_values"),
+    Format.MXFP4: ("quantize_mxfp4", "mxfp4_block_values"),
+}
+"""Each format's Triton twins in kernels.quantize: (codes and scales, block values)."""
+
+
+def _fast(fmt: Format, values: bool):
+    from . import quantize as triton_quantize  # the submodule (imports triton)
+    return getattr(triton_quantize, FAST_QUANTIZERS[fmt][values])
+
+
+def quantize_as(x: torch.Tensor, fmt: str | Format, *, backend: str | Backend | None = None, **kwargs) -> FP4Tensor:
+    """The reference quantizer of ``fmt`` (formats.FORMAT_SPECS) on the chosen backend, with its
+    keyword arguments."""
+    spec = formats.spec_of(fmt)
+    if uses_triton(x, backend):
+        return _fast(spec.format, False)(x, **kwargs)
+    return spec.quantize(x, **kwargs)
+
+
 def quantize_nvfp4(x: torch.Tensor, *, backend: str | Backend | None = None, **kwargs) -> FP4Tensor:
     """fp4lab.formats.quantize_nvfp4 on the chosen backend (same keyword arguments)."""
-    if uses_triton(x, backend):
-        from .quantize import quantize_nvfp4 as fast
-        return fast(x, **kwargs)
-    return formats.quantize_nvfp4(x, **kwargs)
+    return quantize_as(x, Format.NVFP4, backend=backend, **kwargs)
 
 
 def quantize_mxfp4(x: torch.Tensor, *, backend: str | Backend | None = None, **kwargs) -> FP4Tensor:
     """fp4lab.formats.quantize_mxfp4 on the chosen backend (same keyword arguments)."""
-    if uses_triton(x, backend):
-        from .quantize import quantize_mxfp4 as fast
-        return fast(x, **kwargs)
-    return formats.quantize_mxfp4(x, **kwargs)
+    return quantize_as(x, Format.MXFP4, backend=backend, **kwargs)
 
 
 def dequantize(q: FP4Tensor, dtype: torch.dtype = torch.float32, *,
@@ -103,15 +128,22 @@ def fp4_mm(qa: FP4Tensor, qb: FP4Tensor, *, out_dtype: torch.dtype = torch.float
     return formats.emulated_mm(qa, qb, out_dtype=out_dtype)
 
 
-def quantize_values(x: torch.Tensor, fmt: str = "nvfp4", *, backend: str | Backend | None = None,
+def quantize_values(x: torch.Tensor, fmt: str | Format = Format.NVFP4, *, backend: str | Backend | None = None,
                     **kwargs) -> BlockValues:
     """The quantize of ``fmt`` (formats' keyword arguments) as a GEMM operand: exact bf16 block
     values and the tensor scale, written by the quantize pass itself on the Triton backend."""
-    nvfp4 = formats.Format.parse(fmt) is formats.Format.NVFP4
+    spec = formats.spec_of(fmt)
     if uses_triton(x, backend):
-        from .quantize import mxfp4_block_values, nvfp4_block_values
-        return (nvfp4_block_values if nvfp4 else mxfp4_block_values)(x, **kwargs)
-    return BlockValues.of((formats.quantize_nvfp4 if nvfp4 else formats.quantize_mxfp4)(x, **kwargs))
+        return _fast(spec.format, True)(x, **kwargs)
+    return BlockValues.of(spec.quantize(x, **kwargs))
+
+
+def to_values(q: FP4Tensor, *, backend: str | Backend | None = None) -> BlockValues:
+    """A quantized tensor as a GEMM operand (its exact block values), decoded on the chosen backend."""
+    if uses_triton(q.codes, backend):
+        from .decode import block_values
+        return BlockValues.of(q, block_values(q, torch.bfloat16))
+    return BlockValues.of(q)
 
 
 def values_mm(a: BlockValues, b: BlockValues, *, out_dtype: torch.dtype = torch.float32,
@@ -119,10 +151,7 @@ def values_mm(a: BlockValues, b: BlockValues, *, out_dtype: torch.dtype = torch.
     """C = alpha * (A @ B^T) from two BlockValues along the same K: [a.rows, b.rows] ``out_dtype``.
     Triton: kernels.matmul.scaled_mm (alpha in the epilogue); reference: formats.emulated_mm's
     operations (fp32 matmul of the exact values, then alpha, then the cast)."""
-    if a.values.shape[1] != b.values.shape[1]:
-        raise ValueError(f"K mismatch: {tuple(a.values.shape)} and {tuple(b.values.shape)}")
-    if (a.tensor_scale is None) != (b.tensor_scale is None):  # NVFP4 carries a tensor scale, MXFP4 none
-        raise ValueError("values_mm operands must share a format (one is NVFP4, the other MXFP4)")
+    _check_values_pair(a, b)
     scale = operand_alpha(a, b)
     if uses_triton(a.values, backend):
         if out_dtype in (torch.float32, torch.bfloat16):
@@ -130,6 +159,30 @@ def values_mm(a: BlockValues, b: BlockValues, *, out_dtype: torch.dtype = torch.
             return scaled_mm(a.matrix, b.matrix, scale, out_dtype=out_dtype)
         _warn_once(f"fp4lab.kernels.values_mm writes float32 or bfloat16; {out_dtype} runs the reference matmul")
     return ((a.matrix.to(torch.float32) @ b.matrix.to(torch.float32).T) * scale).to(out_dtype)
+
+
+def _check_values_pair(a: BlockValues, b: BlockValues) -> None:
+    if a.values.shape[1] != b.values.shape[1]:
+        raise ValueError(f"K mismatch: {tuple(a.values.shape)} and {tuple(b.values.shape)}")
+    if a.format is not b.format:
+        raise ValueError(f"GEMM operands must share a format, got {a.format} and {b.format}")
+
+
+def grouped_values_mm(a: list[BlockValues], b: list[BlockValues], *, out_dtype: torch.dtype = torch.float32,
+                      backend: str | Backend | None = None) -> torch.Tensor:
+    """One C_g = alpha_g * (A_g @ B_g^T) per group (MoE experts: a[g] has m_g rows, every b[g]
+    the same N rows and K) -> [sum m_g, N] ``out_dtype``: one Triton launch
+    (kernels.matmul.grouped_scaled_mm), or values_mm per group on the reference."""
+    if len(a) != len(b) or not a:
+        raise ValueError(f"grouped_values_mm takes as many A as B operands (at least one), got {len(a)} and {len(b)}")
+    for va, vb in zip(a, b):
+        _check_values_pair(va, vb)
+    if uses_triton(a[0].values, backend) and out_dtype in (torch.float32, torch.bfloat16):
+        from .matmul import grouped_scaled_mm
+        alpha = torch.stack([operand_alpha(va, vb) for va, vb in zip(a, b)])
+        return grouped_scaled_mm(torch.cat([v.matrix for v in a]), torch.stack([v.matrix for v in b]),
+                                 [va.rows for va in a], alpha, out_dtype=out_dtype)
+    return torch.cat([values_mm(va, vb, out_dtype=out_dtype, backend=Backend.REFERENCE) for va, vb in zip(a, b)])
 
 
 def grouped_fp4_mm(qa, qb, *, out_dtype: torch.dtype = torch.bfloat16,
@@ -147,5 +200,4 @@ def grouped_fp4_mm(qa, qb, *, out_dtype: torch.dtype = torch.bfloat16,
 def fake_quantize(x: torch.Tensor, fmt: str = "nvfp4", *, backend: str | Backend | None = None,
                   **kwargs) -> torch.Tensor:
     """dequantize(quantize(x)) in x's dtype and shape: what an FP4 GEMM operand really holds."""
-    quantize = quantize_nvfp4 if formats.Format.parse(fmt) is formats.Format.NVFP4 else quantize_mxfp4
-    return dequantize(quantize(x, backend=backend, **kwargs), x.dtype, backend=backend)
+    return dequantize(quantize_as(x, fmt, backend=backend, **kwargs), x.dtype, backend=backend)

@@ -36,15 +36,15 @@ import triton.language as tl
 
 from ..formats.gemm import _check_pair, gemm_alpha
 from ..formats.layout import with_scale_layout
-from ..formats.types import Format, FP4Tensor, ScaleLayout, _Choice
+from ..formats.types import Format, FP4Tensor, ScaleLayout, Choice
 from .decode import block_values
 from .elements import e2m1_value, scale_value
 from .matmul import grouped_scaled_mm, scaled_mm
 
 
-class GemmMethod(_Choice):
+class GemmMethod(Choice):
     AUTO = "auto"
-    """two_stage on CUDA, fused elsewhere."""
+    """decoded on CUDA, fused elsewhere."""
     FUSED = "fused"
     """Decode packed codes in the GEMM's main loop."""
     TWO_STAGE = "two_stage"

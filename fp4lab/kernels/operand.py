@@ -8,8 +8,9 @@ packed codes and reading them back.
 
     values        [R, Lp] bf16, the stored layout of the quantized tensor (block axis last;
                   R counts 16x16 padding rows too)
-    tensor_scale  [] fp32 S_dec (NVFP4), None (MXFP4)
+    tensor_scale  [] fp32 S_dec where the format has one (NVFP4), else None
     rows          how many of the R rows hold data
+    format        the block format the values came from
 
 Public: ``BlockValues``.
 """
@@ -22,20 +23,23 @@ from typing import NamedTuple
 import torch
 
 from .. import formats
-from ..formats.types import FP4Tensor
+from ..formats.types import Format, FP4Tensor
 
 
 class BlockValues(NamedTuple):
     values: torch.Tensor
     tensor_scale: torch.Tensor | None
     rows: int
+    format: Format
 
     @classmethod
-    def of(cls, q: FP4Tensor) -> "BlockValues":
-        """The block values of a quantized tensor (the reference's decode)."""
-        values = formats.block_values(q).to(torch.bfloat16)
+    def of(cls, q: FP4Tensor, values: torch.Tensor | None = None) -> "BlockValues":
+        """The block values of a quantized tensor: ``values`` if decoded already (a kernel's
+        [*lead, Lp] bf16), else the reference's decode."""
+        if values is None:
+            values = formats.block_values(q).to(torch.bfloat16)
         rows = math.prod(size for i, size in enumerate(q.shape) if i != q.axis)
-        return cls(values.reshape(-1, q.padded_len), q.tensor_scale, rows)
+        return cls(values.reshape(-1, q.padded_len), q.tensor_scale, rows, q.format)
 
     @property
     def matrix(self) -> torch.Tensor:
@@ -51,7 +55,7 @@ class BlockValues(NamedTuple):
         """The same values with rows and columns swapped, ``rows`` of them holding data: a 16x16-
         tiled tensor read along its other axis has the same tiles and tensor scale, so these are
         exactly its block values (what quantizing along the other axis would give)."""
-        return BlockValues(self.values.T, self.tensor_scale, rows)
+        return BlockValues(self.values.T, self.tensor_scale, rows, self.format)
 
 
 def alpha(a: BlockValues, b: BlockValues) -> torch.Tensor:

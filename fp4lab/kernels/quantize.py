@@ -36,12 +36,18 @@ from .operand import BlockValues
 from .elements import (e2m1_rtne, e2m1_stochastic, e2m1_value, e4m3_rtne, e4m3_value, pack_nibble_pairs,
                        philox_bytes, round_to_bf16, scale_value, to_bf16_rtne, widen)
 
-# SCALE_RULE values
-TE, TORCHAO = 0, 1
-# HADAMARD values: no transform, or formats.hadamard's signs
-HADAMARD_RULES = {HadamardSigns.NONE: 1, HadamardSigns.TE: 2, HadamardSigns.RANDOM: 3}
+# SCALE_RULE: how a block's scale is made (NVFP4 profiles, then MXFP4 scale modes)
+NV_TE, NV_TORCHAO = tl.constexpr(0), tl.constexpr(1)
+MX_FLOOR, MX_CEIL, MX_EVEN, MX_RCEIL = tl.constexpr(2), tl.constexpr(3), tl.constexpr(4), tl.constexpr(5)
+# the launcher passes the plain ints
+NV_RULES = {NVFP4Profile.TE: NV_TE.value, NVFP4Profile.TORCHAO: NV_TORCHAO.value}
+MX_RULES = {MXScaleMode.FLOOR: MX_FLOOR.value, MXScaleMode.CEIL: MX_CEIL.value, MXScaleMode.EVEN: MX_EVEN.value,
+            MXScaleMode.RCEIL: MX_RCEIL.value}
+# HADAMARD: no transform, or the 16-point transform with formats.hadamard's sign rule
+NO_ROTATION, SIGNS_NONE, SIGNS_TE, SIGNS_RANDOM = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2), tl.constexpr(3)
+HADAMARD_RULES = {HadamardSigns.NONE: SIGNS_NONE.value, HadamardSigns.TE: SIGNS_TE.value,
+                  HadamardSigns.RANDOM: SIGNS_RANDOM.value}
 TE_NEGATIVE = tl.constexpr(sum(1 << j for j, s in enumerate(TE_SIGNS) if s < 0))
-MX_RULES = {MXScaleMode.FLOOR: 2, MXScaleMode.CEIL: 3, MXScaleMode.EVEN: 4, MXScaleMode.RCEIL: 5}
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
 # (BR, BC, warps) per read direction (benchmarks/sweep_quantize.py on an H100): rows of a row-major
 # tile, or a transposed read (axis 0 of a contiguous matrix)
@@ -51,7 +57,7 @@ TILES = {"rows": (32, 128, 4), "transposed": (128, 32, 4)}
 @triton.jit
 def _tensor_terms(amax, RULE: tl.constexpr):
     """amax: fp32 scalar -> (S_dec, block multiplier): formats.nvfp4.nvfp4_tensor_terms."""
-    if RULE == 0:
+    if RULE == NV_TE:
         s_enc = tl.minimum(tl.div_rn(2688.0, amax), FLT_MAX)
         s_enc = tl.where((amax == 0) | (s_enc == 0), 1.0, s_enc)
         return tl.div_rn(1.0, s_enc), s_enc * 0.1666666716337204  # fp32(1/6)
@@ -144,9 +150,9 @@ def _hadamard16(x, seed, RULE: tl.constexpr, ROUND_BF16: tl.constexpr, BR: tl.co
     """x: [BR, NB, 16] fp32 -> each 16-run times diag(signs) H16 / 4, in formats.hadamard's butterfly
     order (so the fp32 sums are the reference's), rounded to bf16 when the input was bf16."""
     j = tl.arange(0, 16)
-    if RULE == 2:
+    if RULE == SIGNS_TE:
         negative = (TE_NEGATIVE >> j) & 1
-    elif RULE == 3:  # random signs: bit 0 of Philox bytes 0..15 of hadamard_seed (rng.random_bytes)
+    elif RULE == SIGNS_RANDOM:  # random signs: bit 0 of Philox bytes 0..15 of hadamard_seed (rng.random_bytes)
         negative = tl.reshape(philox_bytes(seed, tl.zeros((1, 1), dtype=tl.int64)), (16,)) & 1
     else:
         negative = j * 0
@@ -162,13 +168,13 @@ def _mx_exponent(bamax, RULE: tl.constexpr):
     """bamax: fp32 >= 0 finite -> int32 unbiased exponent in [-127, 127] (formats.mxfp4.mx_exponent)."""
     bits = bamax.to(tl.int32, bitcast=True)
     exp, man = (bits >> 23) - 127, bits & 0x7FFFFF
-    if RULE == 2:
+    if RULE == MX_FLOOR:
         e = exp - 2
-    elif RULE == 3:
+    elif RULE == MX_CEIL:
         e = exp + (man != 0).to(tl.int32) - 2
-    elif RULE == 4:
+    elif RULE == MX_EVEN:
         e = exp + (man >= 0x600000).to(tl.int32) - 2
-    else:
+    else:  # MX_RCEIL
         qbits = (bamax * 0.1666666716337204).to(tl.int32, bitcast=True)  # fp32(1/6)
         qexp, qman = (qbits >> 23) - 127, qbits & 0x7FFFFF
         e = qexp + (qman != 0).to(tl.int32)
@@ -195,7 +201,7 @@ def _fp4_quantize_kernel(x_ptr, codes_ptr, scales_ptr, amax_ptr, s_dec_ptr, seed
         inside = (rows[:, None] < R) & (cols[None, :] < L)
         x = tl.load(x_ptr + rows[:, None] * stride_r + cols[None, :] * stride_c, mask=inside, other=0.0)
     x = tl.reshape(widen(x, BF16_BITS), (BR, NB, BLOCK))
-    if HADAMARD > 0:
+    if HADAMARD != NO_ROTATION:
         x = _hadamard16(x, hadamard_seed, HADAMARD, BF16_BITS, BR, NB)
     if AMAX_ONLY:  # the first pass of a rotated quantize: the rotated tensor's finite amax
         bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
@@ -212,15 +218,16 @@ def _fp4_quantize_kernel(x_ptr, codes_ptr, scales_ptr, amax_ptr, s_dec_ptr, seed
     bad = (amax_bits >= 0x7F800000).to(tl.int32)
     bamax = tl.where(bad > 0, 0, amax_bits).to(tl.float32, bitcast=True)
 
-    if SCALE_RULE < 2:
+    NVFP4: tl.constexpr = SCALE_RULE < MX_FLOOR  # the NVFP4 profiles come first
+    if NVFP4:
         s_dec, mult = _tensor_terms(tl.load(amax_ptr).to(tl.float32, bitcast=True), SCALE_RULE)
         if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
             tl.store(s_dec_ptr, s_dec)
-    if SCALE_RULE == 0:  # NVFP4 te: s_b = e4m3(min(amax_b * (S_enc/6), 448)), e_b = 1/(s_b S_dec)
+    if SCALE_RULE == NV_TE:  # NVFP4 te: s_b = e4m3(min(amax_b * (S_enc/6), 448)), e_b = 1/(s_b S_dec)
         sbyte = e4m3_rtne(tl.minimum(bamax * mult, 448.0))
         e_b = tl.minimum(tl.div_rn(tl.full(bamax.shape, 1.0, tl.float32), e4m3_value(sbyte) * s_dec), FLT_MAX)
         nan_byte = 0x7F
-    elif SCALE_RULE == 1:  # NVFP4 torchao: s_b = e4m3(clamp(amax_b/6/S_dec, 2^-6, 448)), e_b = (1/S_dec)/s_b
+    elif SCALE_RULE == NV_TORCHAO:  # NVFP4 torchao: s_b = e4m3(clamp(amax_b/6/S_dec, 2^-6, 448)), e_b = (1/S_dec)/s_b
         sbyte = e4m3_rtne(tl.minimum(tl.maximum(tl.div_rn(tl.div_rn(bamax, 6.0), s_dec), 0.015625), 448.0))
         e_b = tl.div_rn(mult + tl.zeros_like(bamax), e4m3_value(sbyte))
         nan_byte = 0x7F
@@ -245,7 +252,7 @@ def _fp4_quantize_kernel(x_ptr, codes_ptr, scales_ptr, amax_ptr, s_dec_ptr, seed
 
     keep = rows[:, None] < R_OUT
     if OUT_VALUES:  # code * block scale as bf16 bits (exact), the operand an emulated GEMM multiplies
-        values = e2m1_value(code) * scale_value(sbyte, SCALE_RULE < 2)[:, :, None]
+        values = e2m1_value(code) * scale_value(sbyte, NVFP4)[:, :, None]
         vcols = tl.program_id(1) * BC + tl.arange(0, BC)
         tl.store(codes_ptr + rows[:, None] * LP + vcols[None, :],
                  to_bf16_rtne(tl.reshape(values, (BR, BC))).to(tl.int16, bitcast=True),
@@ -272,7 +279,7 @@ def _strided_2d(x: torch.Tensor, axis: int) -> tuple[torch.Tensor, int, int, int
 
 def _launch(x: torch.Tensor, axis: int, block: tuple[int, int], pad: bool, rule: int,
             amax: torch.Tensor | None, s_dec: torch.Tensor | None, stochastic: bool, seed: int,
-            hadamard: int = 0, hadamard_seed: int = 0, amax_only: bool = False,
+            hadamard: int = NO_ROTATION.value, hadamard_seed: int = 0, amax_only: bool = False,
             out_values: bool = False) -> tuple[torch.Tensor, torch.Tensor, int]:
     axis, pads = check_input(x, axis, block, pad)
     src, rows, length, stride_r, stride_c = _strided_2d(x, axis)
@@ -343,7 +350,7 @@ def _nvfp4(x: torch.Tensor, out_values: bool, *, axis: int = -1, block: int | tu
            hadamard_seed: int | torch.Generator | None = None) -> FP4Tensor | BlockValues:
     block2, rounding, profile = _nvfp4_block(block), Rounding.parse(rounding), NVFP4Profile.parse(profile)
     check_input(x, axis, block2, pad)
-    rotation, h_seed = 0, 0
+    rotation, h_seed = NO_ROTATION.value, 0
     if hadamard is not None:
         signs = HadamardSigns.parse(hadamard)
         rotation = HADAMARD_RULES[signs]
@@ -356,9 +363,9 @@ def _nvfp4(x: torch.Tensor, out_values: bool, *, axis: int = -1, block: int | tu
             q = formats.quantize_nvfp4(x, axis=axis, block=block2, rounding=rounding, seed=seed, profile=profile,
                                        global_amax=global_amax, pad=pad, hadamard=signs, hadamard_seed=hadamard_seed)
             return BlockValues.of(q) if out_values else q
-    if global_amax is None and rotation:
+    if global_amax is None and rotation != NO_ROTATION.value:
         amax = torch.zeros((), dtype=torch.int32, device=x.device)
-        _launch(x, axis, block2, pad, TE, amax, None, False, 0, rotation, h_seed, amax_only=True)
+        _launch(x, axis, block2, pad, NV_TE.value, amax, None, False, 0, rotation, h_seed, amax_only=True)
     elif global_amax is None:
         amax = finite_amax(x).view(torch.int32)
     elif isinstance(global_amax, torch.Tensor) and global_amax.is_cuda:
@@ -368,11 +375,11 @@ def _nvfp4(x: torch.Tensor, out_values: bool, *, axis: int = -1, block: int | tu
     s_dec = torch.empty((), dtype=torch.float32, device=x.device)  # written by the kernel (no fill launch)
     if x.numel() == 0:
         s_dec = nvfp4_tensor_terms(amax.view(torch.float32), profile)[0]
-    rule = TE if profile is NVFP4Profile.TE else TORCHAO
-    codes, scales, axis = _launch(x, axis, block2, pad, rule, amax, s_dec, rounding is Rounding.STOCHASTIC,
+    codes, scales, axis = _launch(x, axis, block2, pad, NV_RULES[profile], amax, s_dec, rounding is Rounding.STOCHASTIC,
                                   _seed(rounding, seed), rotation, h_seed, out_values=out_values)
     if out_values:
-        return BlockValues(codes.view(torch.bfloat16).reshape(-1, codes.shape[-1]), s_dec, _logical_rows(x, axis))
+        return BlockValues(codes.view(torch.bfloat16).reshape(-1, codes.shape[-1]), s_dec, _logical_rows(x, axis),
+                           Format.NVFP4)
     return FP4Tensor(codes=codes, scales=scales.view(torch.float8_e4m3fn), tensor_scale=s_dec,
                      shape=x.shape, axis=axis, block=block2, format=Format.NVFP4, rounding=rounding,
                      profile=profile)
@@ -396,7 +403,8 @@ def mxfp4_block_values(x: torch.Tensor, *, axis: int = -1, mode: str | MXScaleMo
     mode, rounding = MXScaleMode.parse(mode), Rounding.parse(rounding)
     values, _, axis = _launch(x, axis, (1, MX_BLOCK), pad, MX_RULES[mode], None, None,
                               rounding is Rounding.STOCHASTIC, _seed(rounding, seed), out_values=True)
-    return BlockValues(values.view(torch.bfloat16).reshape(-1, values.shape[-1]), None, _logical_rows(x, axis))
+    return BlockValues(values.view(torch.bfloat16).reshape(-1, values.shape[-1]), None, _logical_rows(x, axis),
+                       Format.MXFP4)
 
 
 def _logical_rows(x: torch.Tensor, axis: int) -> int:

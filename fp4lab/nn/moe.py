@@ -9,11 +9,9 @@ Shape legend: T tokens, D model dim, F expert hidden dim, E routed experts, K ex
     y_TD       = shared(x) + sum_k weight_TK * expert[choice_TK](x)
 
 Expert GEMMs are grouped: tokens sorted by expert (a stable sort), one GEMM per expert on its
-variable number of rows (``GroupedExperts._expert_mm``, the seam where FP4 plugs in: each
-expert's GEMMs follow the recipe through nn.linear.fp4_linear, with a tensor scale per expert
-operand). On the Triton backend, when every GEMM of the recipe has two FP4 operands, the same
-operands go through nn.grouped.grouped_fp4_linear instead: one launch for all experts' fprop and
-one for their dgrad. The combine un-sorts and sums the K contributions in a fixed order, so the forward is
+variable number of rows. Under a recipe, each projection is nn.linear.grouped_fp4_linear: every
+expert's three GEMMs as the recipe says, with a tensor scale per expert operand, fprop and dgrad
+of all experts in one launch on the Triton backend. The combine un-sorts and sums the K contributions in a fixed order, so the forward is
 deterministic on GPU too (no atomics).
 
 Balancing: each training forward adds the tokens each expert received to ``load_E``;
@@ -33,13 +31,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..formats.types import _Choice
-from .grouped import grouped_applies, grouped_fp4_linear
-from .linear import QuantContext, fp4_linear
+from ..formats.types import Choice
+from .linear import QuantContext, grouped_fp4_linear
 from .recipe import Recipe
 
 
-class RouterKind(_Choice):
+class RouterKind(Choice):
     SIGMOID = "sigmoid"
     """Independent per-expert gates (DeepSeek-V3), top-K weights renormalised."""
     SOFTMAX = "softmax"
@@ -87,16 +84,10 @@ class GroupedExperts(nn.Module):
         """Run the expert GEMMs under ``recipe`` (called by nn.swap.quantize_model)."""
         self.recipe, self.name, self.context = recipe, name, context
 
-    def _expert_mm(self, x_nD: torch.Tensor, w: torch.Tensor, label: str) -> torch.Tensor:
-        """x @ w^T for one expert's rows: BF16 or the recipe's three GEMMs."""
-        if self.recipe is None:
-            return F.linear(x_nD, w)
-        return fp4_linear(x_nD, w, None, self.recipe, name=f"{self.name}.{label}", context=self.context)
-
     def forward(self, x_sorted_SD: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        if self.recipe is not None and grouped_applies(self.recipe, x_sorted_SD, self.context):
+        if self.recipe is not None:
             def project(x: torch.Tensor, w: torch.Tensor, label: str) -> torch.Tensor:
-                # expert e is named f"{self.name}.{e}.{label}", as in the loop below
+                # expert e is the layer f"{self.name}.{e}.{label}" (its seeds and tensor scales)
                 return grouped_fp4_linear(x, w, counts, self.recipe, name=self.name, context=self.context,
                                           label=label)
             h_SF = F.silu(project(x_sorted_SD, self.w_gate, "gate")) * project(x_sorted_SD, self.w_up, "up")
@@ -105,9 +96,8 @@ class GroupedExperts(nn.Module):
         for e, x_nD in enumerate(x_sorted_SD.split(counts)):
             if x_nD.shape[0] == 0:
                 continue
-            h_nF = F.silu(self._expert_mm(x_nD, self.w_gate[e], f"{e}.gate")) * \
-                self._expert_mm(x_nD, self.w_up[e], f"{e}.up")
-            outs.append(self._expert_mm(h_nF, self.w_down[e], f"{e}.down"))
+            h_nF = F.silu(F.linear(x_nD, self.w_gate[e])) * F.linear(x_nD, self.w_up[e])
+            outs.append(F.linear(h_nF, self.w_down[e]))
         return torch.cat(outs) if outs else x_sorted_SD.new_zeros(x_sorted_SD.shape)
 
 
@@ -135,18 +125,24 @@ class MoE(nn.Module):
         self.register_buffer("load", torch.zeros(cfg.n_experts), persistent=False)
         self.aux_loss: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x_TD = x.reshape(-1, shape[-1])
+    def route(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x_TD -> (scores_TE float32, choice_TK int64, weight_TK float32, normalised per token)."""
         logits_TE = self.router(x_TD).float()
         scores_TE = logits_TE.sigmoid() if self.cfg.router is RouterKind.SIGMOID else logits_TE.softmax(-1)
         choice_TK = torch.topk(scores_TE + self.bias, self.cfg.top_k, dim=-1).indices
         weight_TK = scores_TE.gather(-1, choice_TK)
-        weight_TK = weight_TK / weight_TK.sum(-1, keepdim=True).clamp_min(1e-20)
+        return scores_TE, choice_TK, weight_TK / weight_TK.sum(-1, keepdim=True).clamp_min(1e-20)
 
-        flat_S = choice_TK.reshape(-1)  # S = T * K routed slots
-        order_S = torch.argsort(flat_S, stable=True)
-        counts_E = torch.bincount(flat_S, minlength=self.cfg.n_experts)
+    def sort_slots(self, choice_TK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (order_S: the S = T * K routed slots t * K + k sorted by expert (stable), counts_E)."""
+        flat_S = choice_TK.reshape(-1)
+        return torch.argsort(flat_S, stable=True), torch.bincount(flat_S, minlength=self.cfg.n_experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x_TD = x.reshape(-1, shape[-1])
+        scores_TE, choice_TK, weight_TK = self.route(x_TD)
+        order_S, counts_E = self.sort_slots(choice_TK)
         # gathers by permutation only: their backward adds at distinct rows (deterministic)
         x_sorted_SD = x_TD.repeat_interleave(self.cfg.top_k, dim=0)[order_S]
         y_sorted_SD = self.experts(x_sorted_SD, counts_E.tolist())
@@ -158,7 +154,7 @@ class MoE(nn.Module):
         if self.training:
             self.load += counts_E.to(self.load.dtype)
         if self.cfg.aux_coef:
-            f_E = counts_E.to(torch.float32) / flat_S.numel()
+            f_E = counts_E.to(torch.float32) / choice_TK.numel()  # fraction of the T * K routed slots
             p_E = (scores_TE / scores_TE.sum(-1, keepdim=True)).mean(0)
             self.aux_loss = self.cfg.aux_coef * self.cfg.n_experts * (f_E * p_E).sum()
         return y_TD.reshape(shape)

@@ -131,12 +131,9 @@ def _check(moe: MoE, x: torch.Tensor) -> torch.Tensor:
 
 
 def route(moe: MoE, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x_TD -> (choice_TK int64, weight_TK float32): MoE.forward's routing, operation for operation."""
-    logits_TE = moe.router(x_TD).float()
-    scores_TE = logits_TE.sigmoid() if moe.cfg.router is RouterKind.SIGMOID else logits_TE.softmax(-1)
-    choice_TK = torch.topk(scores_TE + moe.bias, moe.cfg.top_k, dim=-1).indices
-    weight_TK = scores_TE.gather(-1, choice_TK)
-    return choice_TK, weight_TK / weight_TK.sum(-1, keepdim=True).clamp_min(1e-20)
+    """x_TD -> (choice_TK int64, weight_TK float32): MoE.forward's routing (MoE.route)."""
+    _, choice_TK, weight_TK = moe.route(x_TD)
+    return choice_TK, weight_TK
 
 
 @dataclass(frozen=True)
@@ -162,9 +159,8 @@ def _rows(q: FP4Tensor, index: torch.Tensor) -> FP4Tensor:
 def stage_tokens(moe: MoE, x_TD: torch.Tensor) -> Dispatch:
     """Route x_TD [T, D], quantize it once, and gather its NVFP4 rows into expert order."""
     choice_TK, weight_TK = route(moe, x_TD)
-    flat_S = choice_TK.reshape(-1)
-    order_S = torch.argsort(flat_S, stable=True)
-    counts = torch.bincount(flat_S, minlength=moe.cfg.n_experts).tolist()
+    order_S, counts_E = moe.sort_slots(choice_TK)
+    counts = counts_E.tolist()
     q_x = quantize_nvfp4(x_TD)
     return Dispatch(choice_TK, weight_TK, order_S, counts, q_x, _rows(q_x, order_S // moe.cfg.top_k))
 

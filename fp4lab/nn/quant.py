@@ -8,24 +8,26 @@ recipe.Operand field by field:
               size is 16 (same bytes: the quantizer rotates the same way)
     dither    (weights) t + dither * unit * (u - 1/2), unit = the element's block scale times
               the tensor scale from an RTNE quantization of t, u from Philox bytes of the seed
-    quantize  fp4lab.kernels.quantize_nvfp4 / quantize_mxfp4 (Triton on CUDA, the reference
-              otherwise), padded to the block size
+    quantize  fp4lab.kernels.quantize_values with the operand's format and the format's own
+              knobs (formats.FORMAT_SPECS), padded to the block size
 
-On the Triton backend, when both operands of a GEMM are FP4, the quantize writes BlockValues
-(exact bf16 code * block scale) instead of codes, and kernels.values_mm multiplies them.
+An FP4 operand is ``BlockValues`` (exact bf16 code * block scale and the tensor scale; the
+kernels face picks the backend that writes them), or an FP4Tensor where codes are asked for
+(``codes=True``: weight diagnostics). With statistics, the FP4Tensor is made first, measured,
+then decoded to BlockValues: the same operand either way.
 
-``run_gemm`` multiplies the two: both FP4 -> kernels.fp4_mm (code * block scale in BF16, FP32
-accumulation, alpha once; on CPU formats.emulated_mm); both dense -> a plain matmul in their
-dtype (what nn.Linear does); mixed (one side kept BF16) -> the FP4 side dequantized, an FP32
-matmul. Operands are given with their contraction axis: A [rows_a, L] (axis 1) or its
-transpose [L, rows_a] (axis 0), likewise B; the result is [rows_a, rows_b].
+``run_gemm`` multiplies one pair: both FP4 -> kernels.values_mm (FP32 accumulation of the exact
+products, alpha once); both dense -> a plain matmul in their dtype (what nn.Linear does); mixed
+(one side kept BF16) -> the FP4 side dequantized, an FP32 matmul. Operands are given with their
+contraction axis: A [rows_a, L] (axis 1) or its transpose [L, rows_a] (axis 0), likewise B; the
+result is [rows_a, rows_b].
 
 Seeds: ``derive_seed(root, *parts)`` (SplitMix64 over the parts) gives every stochastic choice
 its own stream from the recipe seed, the layer, the step and the GEMM, so runs replay exactly
 and nothing draws from torch's global generator.
 
 Public: ``Rotation``, ``derive_seed``, ``rotation_for``, ``quantize_operand``, ``run_gemm``,
-``dither``.
+``dither``, ``gemm_dtype``.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from ..kernels import BlockValues
 from ..formats import FP4Tensor, hadamard_transform, quant_stats, random_bytes
 from ..formats.dequantize import block_scales
 from ..formats.hadamard import HadamardSigns
-from .recipe import GemmSpec, HadamardMode, Operand, Precision
+from .recipe import GemmSpec, HadamardMode, Operand
 
 _MASK64 = (1 << 64) - 1
 FIXED_SIGNS_TAG = 0x51C7
@@ -78,7 +80,7 @@ def rotation_for(spec: GemmSpec, root: int, step_seed: int) -> Rotation | None:
 
 def dither(t: torch.Tensor, op: Operand, seed: int) -> torch.Tensor:
     """t: [N, K] weight -> t + op.dither * unit * (u - 1/2) in t's dtype (see the module doc)."""
-    q0 = _quantize(t, 1, op, seed=0, rotation=None, rtne=True)
+    q0 = _quantize(t, 1, op, seed=0, rotation=None, rtne=True)  # an FP4Tensor: its block scales
     unit = block_scales(q0).repeat_interleave(q0.block_len, dim=-1)[: t.shape[0], : t.shape[1]]
     if q0.tensor_scale is not None:
         unit = unit * q0.tensor_scale
@@ -86,54 +88,63 @@ def dither(t: torch.Tensor, op: Operand, seed: int) -> torch.Tensor:
     return (t.to(torch.float32) + op.dither * unit * (u - 0.5)).to(t.dtype)
 
 
+def _knobs(op: Operand, rotation: Rotation | None) -> dict:
+    """The quantizer keywords of op's format (FormatSpec.knobs), from the operand's fields."""
+    offered = {"block": (16, 16) if op.block2d else (1, op.format.spec.block_len), "profile": op.profile,
+               "mode": op.mx_mode}
+    if rotation is not None:
+        offered |= {"hadamard": rotation.signs, "hadamard_seed": rotation.seed}
+    return op.format.spec.select(offered)
+
+
 def _quantize(t: torch.Tensor, axis: int, op: Operand, *, seed: int, rotation: Rotation | None,
-              rtne: bool = False, values: bool = False) -> FP4Tensor | BlockValues:
-    rounding = "rtne" if rtne else op.rounding
-    if op.format is Precision.NVFP4:
-        extra = {} if rotation is None else {"hadamard": rotation.signs, "hadamard_seed": rotation.seed}
-        kwargs = dict(axis=axis, block=(16, 16) if op.block2d else 16, rounding=rounding, seed=seed,
-                      profile=op.profile, pad=True, **extra)
-        return kernels.quantize_values(t, "nvfp4", **kwargs) if values else kernels.quantize_nvfp4(t, **kwargs)
-    kwargs = dict(axis=axis, mode=op.mx_mode, rounding=rounding, seed=seed, pad=True)
-    return kernels.quantize_values(t, "mxfp4", **kwargs) if values else kernels.quantize_mxfp4(t, **kwargs)
+              rtne: bool = False, codes: bool = True) -> FP4Tensor | BlockValues:
+    kwargs = dict(axis=axis, rounding="rtne" if rtne else op.rounding, seed=seed, pad=True, **_knobs(op, rotation))
+    return kernels.quantize_as(t, op.format, **kwargs) if codes else kernels.quantize_values(t, op.format, **kwargs)
 
 
 def quantize_operand(t: torch.Tensor, axis: int, op: Operand, *, seed: int, rotation: Rotation | None = None,
                      stats: dict[str, dict[str, float]] | None = None, key: str = "",
-                     values: bool = False) -> torch.Tensor | FP4Tensor | BlockValues:
+                     codes: bool = False) -> torch.Tensor | FP4Tensor | BlockValues:
     """t: [R, L] (axis 1) or [L, R] (axis 0) -> t rotated (if asked) and, unless op is BF16,
-    quantized along ``axis``: an FP4Tensor, or with ``values`` its BlockValues written by the
-    quantize itself (the same operand, ready for BF16 tensor cores). With ``stats``, records
-    quant_stats of what was quantized at ``key`` (an FP4Tensor then)."""
-    fused = (rotation is not None and op.format is Precision.NVFP4 and rotation.size == 16
-             and stats is None and not op.dither)
+    quantized along ``axis``: BlockValues (the GEMM operand), or with ``codes`` the FP4Tensor.
+    With ``stats``, records quant_stats of what was quantized at ``key``."""
+    # the quantizer rotates by itself when its format takes the rotation (NVFP4 at size 16)
+    fused = (rotation is not None and op.quantized and "hadamard" in op.format.spec.knobs
+             and rotation.size == op.format.spec.block_len and stats is None and not op.dither)
     if rotation is not None and not fused:
         t = hadamard_transform(t, axis=axis, size=rotation.size, signs=rotation.signs, seed=rotation.seed)
     if not op.quantized:
         return t
-    q = _quantize(t, axis, op, seed=seed, rotation=rotation if fused else None, values=values and stats is None)
+    as_codes = codes or stats is not None
+    q = _quantize(t, axis, op, seed=seed, rotation=rotation if fused else None, codes=as_codes)
     if stats is not None:
         stats[key] = quant_stats(t, q)
-    return q
+    return q if codes or not as_codes else kernels.to_values(q)
 
 
-def _dense(v: torch.Tensor | FP4Tensor, axis: int) -> torch.Tensor:
-    """An operand as a [rows, L] matrix (FP4 dequantized to fp32)."""
-    if isinstance(v, FP4Tensor):
-        v = kernels.dequantize(v, torch.float32)
+def _matrix(v: torch.Tensor | BlockValues, axis: int, length: int) -> torch.Tensor:
+    """An operand as a [rows, length] matrix (FP4 dequantized to fp32, its padding cropped)."""
+    if isinstance(v, BlockValues):
+        return v.dense()[:, :length]
     return v if axis == 1 else v.T
 
 
-def run_gemm(a: torch.Tensor | FP4Tensor, a_axis: int, b: torch.Tensor | FP4Tensor, b_axis: int,
+def gemm_dtype(out_dtype: torch.dtype) -> torch.dtype:
+    """What an FP4 GEMM writes for ``out_dtype``: float16 goes through float32 (the kernels write
+    float32 or bfloat16)."""
+    return torch.float32 if out_dtype == torch.float16 else out_dtype
+
+
+def run_gemm(a: torch.Tensor | BlockValues, a_axis: int, b: torch.Tensor | BlockValues, b_axis: int,
              out_dtype: torch.dtype) -> torch.Tensor:
-    """C = A @ B^T: [rows_a, rows_b] ``out_dtype`` from operands as quantize_operand returns them
-    (BlockValues come in pairs)."""
-    if isinstance(a, BlockValues) and isinstance(b, BlockValues):
-        out = kernels.values_mm(a, b, out_dtype=torch.float32 if out_dtype == torch.float16 else out_dtype)
-        return out.to(out_dtype)
-    if isinstance(a, FP4Tensor) and isinstance(b, FP4Tensor):
-        out = kernels.fp4_mm(a, b, out_dtype=torch.float32 if out_dtype == torch.float16 else out_dtype)
-        return out.to(out_dtype)
-    if isinstance(a, FP4Tensor) or isinstance(b, FP4Tensor):
-        return (_dense(a, a_axis).to(torch.float32) @ _dense(b, b_axis).to(torch.float32).T).to(out_dtype)
-    return _dense(a, a_axis) @ _dense(b, b_axis).T
+    """C = A @ B^T: [rows_a, rows_b] ``out_dtype`` from operands as quantize_operand returns them."""
+    fp4 = (isinstance(a, BlockValues), isinstance(b, BlockValues))
+    if all(fp4):
+        return kernels.values_mm(a, b, out_dtype=gemm_dtype(out_dtype)).to(out_dtype)
+    if any(fp4):  # one side kept BF16: its length is the true contraction length
+        dense = b if fp4[0] else a
+        length = dense.shape[1 if (b_axis if fp4[0] else a_axis) == 1 else 0]
+        return (_matrix(a, a_axis, length).to(torch.float32) @ _matrix(b, b_axis, length).to(torch.float32).T
+                ).to(out_dtype)
+    return _matrix(a, a_axis, 0) @ _matrix(b, b_axis, 0).T

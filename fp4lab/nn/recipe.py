@@ -24,7 +24,7 @@ Presets (functions returning a Recipe): ``bf16``, ``nvfp4`` (NVIDIA's recipe, ar
 2509.25149), ``nvfp4_plain``, ``mxfp4``, ``mxfp4_rceil``, ``mxfp4_hadamard``, and the
 per-GEMM progression of the AMD MXFP4 study: ``fprop``, ``fprop_dgrad``, ``fprop_dgrad_wgrad``.
 
-Public: ``Precision``, ``HadamardMode``, ``Bf16Scope``, ``Operand``, ``GemmSpec``, ``Recipe``,
+Public: ``HadamardMode``, ``Bf16Scope``, ``Operand``, ``GemmSpec``, ``Recipe``,
 ``PRESETS``, ``preset``, ``load_recipe``, ``dotted_keys``, ``NVIDIA_KEEP`` and the preset
 functions.
 """
@@ -39,21 +39,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from ..formats.types import MXScaleMode, NVFP4Profile, Rounding, _Choice
+from ..formats.types import Choice, Format, MXScaleMode, NVFP4Profile, Rounding
 
 GEMMS = ("fprop", "dgrad", "wgrad")
 
 
-class Precision(_Choice):
-    BF16 = "bf16"
-    """Not quantized: the operand enters the GEMM as it is (the compute dtype, bf16 under autocast)."""
-    NVFP4 = "nvfp4"
-    """fp4lab.formats.quantize_nvfp4: 16-element blocks, E4M3 scales, FP32 tensor scale."""
-    MXFP4 = "mxfp4"
-    """fp4lab.formats.quantize_mxfp4: 32-element blocks, UE8M0 scales."""
-
-
-class HadamardMode(_Choice):
+class HadamardMode(Choice):
     NONE = "none"
     """No rotation."""
     DETERMINISTIC = "deterministic"
@@ -65,7 +56,7 @@ class HadamardMode(_Choice):
     """Signs re-drawn per layer and per step (micro-batch) from the recipe seed."""
 
 
-class Bf16Scope(_Choice):
+class Bf16Scope(Choice):
     ALL = "all"
     """After ``bf16_after``, all three GEMMs run in BF16."""
     FORWARD = "forward"
@@ -76,7 +67,8 @@ class Bf16Scope(_Choice):
 class Operand:
     """How one GEMM operand is quantized."""
 
-    format: Precision = Precision.BF16
+    format: Format = Format.BF16
+    """bf16 (not quantized: the operand enters the GEMM in the compute dtype), nvfp4 or mxfp4."""
     rounding: Rounding = Rounding.RTNE
     """rtne, or stochastic (seeded per layer, step and GEMM: runs replay exactly)."""
     block2d: bool = False
@@ -91,10 +83,10 @@ class Operand:
     codes ("stiction"). 0 disables it; 1 spans one code step for values below 2 units."""
 
     def __post_init__(self) -> None:
-        for name, kind in (("format", Precision), ("rounding", Rounding), ("profile", NVFP4Profile),
+        for name, kind in (("format", Format), ("rounding", Rounding), ("profile", NVFP4Profile),
                            ("mx_mode", MXScaleMode)):
             object.__setattr__(self, name, kind.parse(getattr(self, name)))
-        if self.block2d and self.format is not Precision.NVFP4:
+        if self.block2d and not (self.quantized and (16, 16) in self.format.spec.blocks):
             raise ValueError(f"block2d (16x16 tiles) is an NVFP4 weight option, not {self.format}")
         if not 0.0 <= self.dither <= 4.0:
             raise ValueError(f"dither is an amplitude in [0, 4] block-scale units, got {self.dither}")
@@ -103,11 +95,7 @@ class Operand:
 
     @property
     def quantized(self) -> bool:
-        return self.format is not Precision.BF16
-
-    @property
-    def block_len(self) -> int:
-        return 32 if self.format is Precision.MXFP4 else 16
+        return self.format.quantized
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -203,7 +191,7 @@ class Recipe:
             raise ValueError(f"unknown GEMM {name!r}; expected one of {GEMMS}")
         return getattr(self, name)
 
-    def uses(self, fmt: Precision) -> bool:
+    def uses(self, fmt: Format) -> bool:
         return any(op.format is fmt for g in GEMMS for op in (getattr(self, g).a, getattr(self, g).b))
 
     @property
@@ -330,7 +318,7 @@ def _describe_operand(op: Operand) -> str:
     if not op.quantized:
         return "bf16"
     extra = "/16x16" if op.block2d else ""
-    extra += f"/{op.mx_mode}" if op.format is Precision.MXFP4 else ""
+    extra += f"/{op.mx_mode}" if op.format is Format.MXFP4 else ""
     extra += f"/dither{op.dither:g}" if op.dither else ""
     return f"{op.format}/{op.rounding}{extra}"
 
@@ -340,7 +328,7 @@ def _plain(value: Any) -> Any:
         return {k: _plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
-    return value.value if isinstance(value, _Choice) else value
+    return value.value if isinstance(value, Choice) else value
 
 
 def _toml(data: dict[str, Any], prefix: str = "") -> str:
@@ -390,7 +378,7 @@ def dotted_keys(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 # ---- presets ---------------------------------------------------------------------------------
 
-def _fp4(fmt: Precision, mx_mode: MXScaleMode = MXScaleMode.FLOOR, **kw: Any) -> Operand:
+def _fp4(fmt: Format, mx_mode: MXScaleMode = MXScaleMode.FLOOR, **kw: Any) -> Operand:
     return Operand(format=fmt, mx_mode=mx_mode, **kw)
 
 
@@ -410,8 +398,8 @@ def nvfp4(*, keep_first: int | None = None, keep_last: int | None = None) -> Rec
     model's depth (keep_fraction = NVIDIA_KEEP; Recipe.bf16_blocks: d6 (0, 1), d12 (0, 2),
     d16 (1, 2)), so the share of BF16 blocks does not grow as the model shrinks. Passing
     keep_first and/or keep_last keeps those counts instead (an unset one is 0; no fraction)."""
-    x, w = _fp4(Precision.NVFP4), _fp4(Precision.NVFP4, block2d=True)
-    dy = _fp4(Precision.NVFP4, rounding=Rounding.STOCHASTIC)
+    x, w = _fp4(Format.NVFP4), _fp4(Format.NVFP4, block2d=True)
+    dy = _fp4(Format.NVFP4, rounding=Rounding.STOCHASTIC)
     counts = keep_first is not None or keep_last is not None
     keep = (dict(keep_first=keep_first or 0, keep_last=keep_last or 0) if counts
             else dict(keep_fraction=NVIDIA_KEEP))
@@ -421,12 +409,12 @@ def nvfp4(*, keep_first: int | None = None, keep_last: int | None = None) -> Rec
 
 def nvfp4_plain() -> Recipe:
     """NVFP4 everywhere, 1x16 blocks, RTNE, no Hadamard, no BF16 layers: the naive recipe."""
-    g = GemmSpec(a=_fp4(Precision.NVFP4), b=_fp4(Precision.NVFP4))
+    g = GemmSpec(a=_fp4(Format.NVFP4), b=_fp4(Format.NVFP4))
     return Recipe(name="nvfp4_plain", fprop=g, dgrad=g, wgrad=g)
 
 
 def _mx_all(name: str, mode: MXScaleMode, wgrad_hadamard: HadamardMode = HadamardMode.NONE) -> Recipe:
-    g = GemmSpec(a=_fp4(Precision.MXFP4, mode), b=_fp4(Precision.MXFP4, mode))
+    g = GemmSpec(a=_fp4(Format.MXFP4, mode), b=_fp4(Format.MXFP4, mode))
     wg = dataclasses.replace(g, hadamard=wgrad_hadamard, hadamard_size=32)
     return Recipe(name=name, fprop=g, dgrad=g, wgrad=wg)
 
@@ -446,23 +434,23 @@ def mxfp4_hadamard() -> Recipe:
     return _mx_all("mxfp4_hadamard", MXScaleMode.FLOOR, HadamardMode.DETERMINISTIC)
 
 
-def _progression(name: str, gemms: tuple[str, ...], fmt: str | Precision) -> Recipe:
-    fmt = Precision.parse(fmt)
+def _progression(name: str, gemms: tuple[str, ...], fmt: str | Format) -> Recipe:
+    fmt = Format.parse(fmt)
     g = GemmSpec(a=_fp4(fmt), b=_fp4(fmt))
-    return Recipe(name=f"{name}_{fmt}" if fmt is not Precision.MXFP4 else name, **{k: g for k in gemms})
+    return Recipe(name=f"{name}_{fmt}" if fmt is not Format.MXFP4 else name, **{k: g for k in gemms})
 
 
-def fprop(fmt: str | Precision = Precision.MXFP4) -> Recipe:
+def fprop(fmt: str | Format = Format.MXFP4) -> Recipe:
     """Only the forward GEMM quantized (the AMD study's first step), RTNE."""
     return _progression("fprop", ("fprop",), fmt)
 
 
-def fprop_dgrad(fmt: str | Precision = Precision.MXFP4) -> Recipe:
+def fprop_dgrad(fmt: str | Format = Format.MXFP4) -> Recipe:
     """Forward and input-gradient GEMMs quantized."""
     return _progression("fprop_dgrad", ("fprop", "dgrad"), fmt)
 
 
-def fprop_dgrad_wgrad(fmt: str | Precision = Precision.MXFP4) -> Recipe:
+def fprop_dgrad_wgrad(fmt: str | Format = Format.MXFP4) -> Recipe:
     """All three GEMMs quantized: Wgrad quantization was the main cause of degradation."""
     return _progression("fprop_dgrad_wgrad", GEMMS, fmt)
 

@@ -28,7 +28,7 @@ from typing import Sequence
 
 import torch
 
-from ..formats import Format, ScaleLayout, decode_e2m1, decode_e4m3, decode_ue8m0
+from ..formats import Format, ScaleLayout, decode_e2m1
 from .ladder import RUNGS, Case, ContractError, Ladder
 from .operands import GemmFn, pack_operand, reference_gemm
 from .result import CheckResult
@@ -65,7 +65,7 @@ def _random_case(ld: Ladder, g: torch.Generator) -> Case:
 
 
 def _values(ld: Ladder, codes: torch.Tensor, scale_bytes: torch.Tensor) -> torch.Tensor:
-    scale = (decode_e4m3 if ld.fmt is Format.NVFP4 else decode_ue8m0)(scale_bytes).double()
+    scale = ld.fmt.spec.decode_scale(scale_bytes).double()
     return (decode_e2m1(codes).double().reshape(codes.shape[0], ld.nb, ld.bl) * scale[..., None]).reshape(codes.shape)
 
 

@@ -35,7 +35,7 @@ from typing import Callable
 
 import torch
 
-from ..formats import Format, ScaleLayout, decode_e2m1, decode_e4m3, decode_ue8m0, swizzled_offset
+from ..formats import Format, ScaleLayout, decode_e2m1, swizzled_offset
 from .layout import describe_offset
 
 ONE, ONE_HALF = 2, 3  # E2M1 codes of 1.0 and 1.5
@@ -70,7 +70,7 @@ class Ladder:
 
     @property
     def bl(self) -> int:
-        return 16 if self.fmt is Format.NVFP4 else 32
+        return self.fmt.spec.block_len
 
     @property
     def nb(self) -> int:
@@ -78,11 +78,11 @@ class Ladder:
 
     @property
     def one(self) -> int:
-        return 0x38 if self.fmt is Format.NVFP4 else 127
+        return self.fmt.spec.scale_one_byte
 
     def scale_value(self, byte: int) -> float:
         t = torch.tensor([byte], dtype=torch.uint8)
-        return float((decode_e4m3 if self.fmt is Format.NVFP4 else decode_ue8m0)(t))
+        return float(self.fmt.spec.decode_scale(t))
 
     def byte_of(self, value: float) -> int | None:
         """The positive scale byte that decodes to ``value`` exactly, if any."""
@@ -104,9 +104,8 @@ class Ladder:
 @lru_cache(maxsize=None)
 def _positive_bytes(fmt: Format) -> dict[float, int]:
     """Scale value -> byte for every positive finite scale (E4M3 0x01..0x7E, UE8M0 0..254)."""
-    if fmt is Format.NVFP4:
-        return {float(v): b for b, v in enumerate(decode_e4m3(torch.arange(1, 0x7F, dtype=torch.uint8)).tolist(), 1)}
-    return {float(v): b for b, v in enumerate(decode_ue8m0(torch.arange(255, dtype=torch.uint8)).tolist())}
+    values = fmt.spec.decode_scale(torch.arange(256, dtype=torch.uint8)).tolist()
+    return {float(v): b for b, v in enumerate(values) if 0 < v < float("inf")}  # NaN compares False
 
 
 def _first_bad(exp: torch.Tensor, got: torch.Tensor) -> tuple[int, int, int, float, float] | None:

@@ -28,18 +28,16 @@ from typing import Callable
 import torch
 
 from .. import kernels
-from ..formats import FP4Tensor, Format, ScaleLayout, emulated_mm, pack_nibbles, scaled_mm, swizzle_scales
+from ..formats import FORMAT_SPECS, FP4Tensor, Format, ScaleLayout, emulated_mm, pack_nibbles, scaled_mm, swizzle_scales
 from ..formats.layout import _padded
 
 GemmFn = Callable[..., torch.Tensor]
-BLOCK = {Format.NVFP4: 16, Format.MXFP4: 32}
-SCALE_DTYPE = {Format.NVFP4: torch.float8_e4m3fn, Format.MXFP4: torch.uint8}
 
 
 def format_of(scales: torch.Tensor) -> Format:
     """The format a scale tensor's dtype implies: float8_e4m3fn -> NVFP4, uint8 -> MXFP4."""
-    for fmt, dtype in SCALE_DTYPE.items():
-        if scales.dtype == dtype:
+    for fmt, spec in FORMAT_SPECS.items():
+        if scales.dtype == spec.scale_dtype:
             return fmt
     raise TypeError(f"block scales must be float8_e4m3fn (NVFP4) or uint8 (MXFP4), got {scales.dtype}")
 
@@ -49,7 +47,7 @@ def fp4_operand(codes: torch.Tensor, scales: torch.Tensor, rows: int, k: int,
     """Packed codes [rows, k/2] uint8 + scales (plain [rows, k/block] or swizzled flat) -> FP4Tensor
     [rows, k] quantized along k. ``tensor_scale`` is kept for NVFP4 and ignored for MXFP4."""
     fmt = format_of(scales)
-    block = BLOCK[fmt]
+    block = fmt.spec.block_len
     if k % block:
         raise ValueError(f"K = {k} is not divisible by the {fmt} block size {block}")
     if codes.dtype != torch.uint8 or tuple(codes.shape) != (rows, k // 2):
@@ -64,7 +62,7 @@ def fp4_operand(codes: torch.Tensor, scales: torch.Tensor, rows: int, k: int,
         raise ValueError(f"{fmt} scales for [{rows}, {k}] must be plain [{rows}, {nb}] or swizzled "
                          f"[{rp * kp}], got {tuple(scales.shape)}")
     ts = None
-    if fmt is Format.NVFP4:
+    if fmt.spec.tensor_scale:
         ts = torch.as_tensor(tensor_scale, dtype=torch.float32, device=codes.device).reshape(())
     return FP4Tensor(codes=codes, scales=scales, tensor_scale=ts, shape=(rows, k), axis=1,
                      block=(1, block), format=fmt, rounding="rtne",
@@ -76,7 +74,7 @@ def pack_operand(codes: torch.Tensor, scale_bytes: torch.Tensor, fmt: Format,
                  layout: ScaleLayout) -> tuple[torch.Tensor, torch.Tensor]:
     """codes [rows, k] uint8 (one code each), scale_bytes [rows, k/block] uint8 -> the candidate's
     (packed codes [rows, k/2], scales in ``fmt``'s dtype and ``layout``)."""
-    scales = scale_bytes.view(SCALE_DTYPE[fmt])
+    scales = scale_bytes.view(fmt.spec.scale_dtype)
     if layout is ScaleLayout.SWIZZLED:
         scales = swizzle_scales(scales)
     return pack_nibbles(codes), scales
@@ -88,7 +86,7 @@ def as_gemm_fn(mm: Callable[[FP4Tensor, FP4Tensor], torch.Tensor]) -> GemmFn:
         qa = fp4_operand(a_codes, a_scales, m, k, tensor_scale=alpha)
         qb = fp4_operand(b_codes, b_scales, n, k)
         out = mm(qa, qb)
-        return out if qa.format is Format.NVFP4 else out * alpha.to(out.device)
+        return out if qa.format.spec.tensor_scale else out * alpha.to(out.device)  # alpha rode in the tensor scale
     fn.__name__ = getattr(mm, "__name__", "gemm")
     return fn
 

@@ -6,12 +6,15 @@ import pytest
 import torch
 from torch import nn
 
+from fp4lab.formats import Format
 from fp4lab import formats
 from fp4lab.kernels import BlockValues
+from fp4lab.nn import gemms as G
 from fp4lab.nn import linear as L
+from fp4lab.nn.gemms import make_call
 from fp4lab.nn.linear import FP4Linear, QuantContext, fp4_linear
 from fp4lab.nn.quant import derive_seed, rotation_for
-from fp4lab.nn.recipe import (GEMMS, PRESETS, GemmSpec, HadamardMode, Operand, Precision, Recipe, bf16,
+from fp4lab.nn.recipe import (GEMMS, PRESETS, GemmSpec, HadamardMode, Operand, Recipe, bf16,
                               nvfp4, preset)
 
 
@@ -36,18 +39,18 @@ def test_bf16_recipe_equals_nn_linear_exactly(autocast):
 
 
 class _Recorder:
-    """Wraps quant.quantize_operand inside linear.py: (gemm, side) -> (source, axis, result)."""
+    """Wraps quant.quantize_operand inside nn.gemms: (gemm, side) -> (source, axis, result)."""
 
     def __init__(self, monkeypatch):
         self.seen = {}
-        real = L.quantize_operand
+        real = G.quantize_operand
 
         def spy(t, axis, op, *, seed, rotation=None, stats=None, key="", **kwargs):
             out = real(t, axis, op, seed=seed, rotation=rotation, stats=stats, key=key, **kwargs)
             gemm, side = key.split(".")[-2:]
             self.seen[gemm, side] = (t, axis, out)
             return out
-        monkeypatch.setattr(L, "quantize_operand", spy)
+        monkeypatch.setattr(G, "quantize_operand", spy)
 
 
 def _by_hand(t, axis, op: Operand, spec: GemmSpec, recipe: Recipe, root: int, gemm: str, side: str):
@@ -58,7 +61,7 @@ def _by_hand(t, axis, op: Operand, spec: GemmSpec, recipe: Recipe, root: int, ge
     if not op.quantized:
         return t
     seed = derive_seed(root, GEMMS.index(gemm), ord(side))
-    if op.format is Precision.NVFP4:
+    if op.format is Format.NVFP4:
         return formats.quantize_nvfp4(t, axis=axis, block=(16, 16) if op.block2d else 16, rounding=op.rounding,
                                       seed=seed, profile=op.profile, pad=True)
     return formats.quantize_mxfp4(t, axis=axis, mode=op.mx_mode, rounding=op.rounding, seed=seed, pad=True)
@@ -67,7 +70,7 @@ def _by_hand(t, axis, op: Operand, spec: GemmSpec, recipe: Recipe, root: int, ge
 def _same(a, b):
     """a: an operand as the layer made it (a tensor, FP4Tensor or BlockValues), b: by hand."""
     if isinstance(a, BlockValues):
-        want = BlockValues.of(b)
+        want = b if isinstance(b, BlockValues) else BlockValues.of(b)
         got, ref = a.matrix.cpu().float(), want.matrix.cpu().float()  # NaN blocks compare as NaN
         assert a.rows == want.rows and torch.equal(got.isnan(), ref.isnan())
         assert torch.equal(got.nan_to_num(0.5), ref.nan_to_num(0.5))
@@ -103,21 +106,26 @@ def test_every_gemm_operand_equals_formats_by_hand(name, monkeypatch):
                ("dgrad", "b"): (w16, 0), ("wgrad", "a"): (torch.cat([dy, pad.expand(24, n)]), 0),
                ("wgrad", "b"): (torch.cat([x.detach(), pad.expand(24, k)]), 0)}
     expected = {key for key in sources if recipe.gemm(key[0]).quantized or recipe.gemm(key[0]).rotated}
-    assert set(rec.seen) == expected
+    reused = make_call(recipe, "blocks.0.mlp", ctx).dgrad_reuses_fprop_weight()
+    assert set(rec.seen) == expected - ({("dgrad", "b")} if reused else set())
     for (gemm, side), (t, axis) in sources.items():
         if (gemm, side) in expected:
             spec = recipe.gemm(gemm)
+            want = _by_hand(t, axis, getattr(spec, side), spec, recipe, root, gemm, side)
+            if (gemm, side) == ("dgrad", "b") and reused:  # fprop's 16x16 weight values, transposed
+                _same(rec.seen["fprop", "b"][2].transposed(k), want)
+                continue
             assert torch.equal(rec.seen[gemm, side][0], t) and rec.seen[gemm, side][1] == axis
-            _same(rec.seen[gemm, side][2], _by_hand(t, axis, getattr(spec, side), spec, recipe, root, gemm, side))
+            _same(rec.seen[gemm, side][2], want)
 
 
 def test_2d_weight_tiles_give_dgrad_the_same_weight_as_fprop(monkeypatch):
     rec = _Recorder(monkeypatch)
     x, w = torch.randn(32, 64, requires_grad=True), (torch.randn(48, 64) * 0.1).requires_grad_()
     fp4_linear(x, w, None, nvfp4(), name="l").sum().backward()
-    fwd, bwd = rec.seen["fprop", "b"][2], rec.seen["dgrad", "b"][2]
-    assert bwd.axis == 0 and fwd.axis == 1
-    assert torch.equal(formats.dequantize(fwd), formats.dequantize(bwd))
+    assert ("dgrad", "b") not in rec.seen  # dgrad multiplies fprop's weight values transposed
+    fwd = rec.seen["fprop", "b"][2]
+    _same(fwd.transposed(64), formats.quantize_nvfp4(w.detach(), axis=0, block=(16, 16), pad=True))
 
 
 @pytest.mark.parametrize("mode", ["deterministic", "fixed", "random"])
@@ -215,17 +223,17 @@ def test_triton_path_gives_the_reference_bytes(n, k, monkeypatch):
         fp4_linear(x.clone().requires_grad_(), wp, None, nvfp4(), name="l", context=QuantContext(tick=1)).backward(dy)
         seen[backend] = dict(rec.seen)
         monkeypatch.undo()  # one spy at a time
-    # on Triton the operands arrive as BlockValues, and dgrad multiplies fprop's weight values transposed
-    assert set(seen["reference"]) - set(seen["triton"]) == {("dgrad", "b")}
+    # on both backends dgrad multiplies fprop's weight values transposed
+    assert set(seen["reference"]) == set(seen["triton"]) and ("dgrad", "b") not in seen["triton"]
     for key, (_, _, q) in seen["reference"].items():
-        _same(seen["triton"][key][2] if key != ("dgrad", "b") else seen["triton"]["fprop", "b"][2].transposed(k), q)
+        _same(seen["triton"][key][2], q)
 
 
 @pytest.mark.parametrize("name", ["nvfp4", "mxfp4", "nvfp4_dither"])
 def test_triton_path_multiplies_the_same_operands(name, monkeypatch):
-    """On the Triton backend (the interpreter here) GEMMs with two FP4 operands quantize straight
-    to BlockValues and dgrad reuses fprop's 16x16 weight values: the same function as the
-    reference path up to fp32 summation order (at most one bf16 rounding step apart)."""
+    """On the Triton backend (the interpreter here) GEMM operands are quantized straight to
+    BlockValues by the kernel: the same function as the reference path up to fp32 summation
+    order (at most one bf16 rounding step apart)."""
     pytest.importorskip("triton")  # without CUDA, tests/conftest.py set TRITON_INTERPRET=1
     recipe = nvfp4().override({"fprop.b.dither": 0.5, "dgrad.b.dither": 0.5}) if name == "nvfp4_dither" else preset(name)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -242,11 +250,8 @@ def test_triton_path_multiplies_the_same_operands(name, monkeypatch):
         y.backward(dy)
         results[backend] = [t.detach().float().cpu() for t in (y, x.grad, w.grad)]
         kinds = {key: type(out).__name__ for key, (_, _, out) in rec.seen.items()}
-        if backend == "triton":
-            assert set(kinds.values()) == {"BlockValues"}
-            reused = name.startswith("nvfp4")  # NVIDIA's recipe: 16x16 RTNE weights in fprop and dgrad
-            assert (("dgrad", "b") not in kinds) == reused
-        else:
-            assert set(kinds.values()) == {"FP4Tensor"}
+        assert set(kinds.values()) == {"BlockValues"}  # the operand form does not depend on the backend
+        reused = name.startswith("nvfp4")  # NVIDIA's recipe: 16x16 RTNE weights in fprop and dgrad
+        assert (("dgrad", "b") not in kinds) == reused
     for fast, ref in zip(results["triton"], results["reference"]):
         torch.testing.assert_close(fast, ref, rtol=2**-7, atol=1e-6)

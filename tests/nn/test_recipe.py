@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from fp4lab.formats import MXScaleMode, Rounding
-from fp4lab.nn.recipe import (GEMMS, NVIDIA_KEEP, PRESETS, Bf16Scope, GemmSpec, HadamardMode, Operand, Precision,
+from fp4lab.formats import Format, MXScaleMode, Rounding
+from fp4lab.nn.recipe import (GEMMS, NVIDIA_KEEP, PRESETS, Bf16Scope, GemmSpec, HadamardMode, Operand,
                               Recipe, bf16, fprop_dgrad, load_recipe, nvfp4, preset)
 
 
@@ -33,9 +33,9 @@ def test_the_nvidia_recipe_table():
 def test_progression_and_mx_presets():
     assert [preset(n).quantized for n in ("bf16", "fprop")] == [False, True]
     r = fprop_dgrad()
-    assert r.fprop.a.format is Precision.MXFP4 and r.dgrad.b.format is Precision.MXFP4
+    assert r.fprop.a.format is Format.MXFP4 and r.dgrad.b.format is Format.MXFP4
     assert not r.wgrad.quantized
-    assert fprop_dgrad("nvfp4").fprop.a.format is Precision.NVFP4
+    assert fprop_dgrad("nvfp4").fprop.a.format is Format.NVFP4
     assert preset("mxfp4_rceil").wgrad.a.mx_mode is MXScaleMode.RCEIL
     h = preset("mxfp4_hadamard").wgrad
     assert (h.hadamard, h.hadamard_size) == (HadamardMode.DETERMINISTIC, 32)
@@ -54,7 +54,7 @@ def test_override_with_dotted_keys_and_toml_base(tmp_path):
 @pytest.mark.parametrize("bad, match", [
     ({"fprop": {"a": {"formt": "nvfp4"}}}, "unknown fprop.a key"),
     ({"keep_frist": 1}, "unknown recipe key"),
-    ({"fprop": {"a": {"format": "fp8"}}}, "unknown Precision"),
+    ({"fprop": {"a": {"format": "fp8"}}}, "unknown Format"),
     ({"fprop": {"a": {"format": "nvfp4"}, "b": {"format": "mxfp4"}}}, "share a format"),
     ({"fprop": {"a": {"format": "mxfp4", "block2d": True}}}, "NVFP4 weight option"),
     ({"keep_fraction": [0.1]}, r"pair of fractions, got \[0.1\]"),

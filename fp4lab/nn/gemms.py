@@ -1,0 +1,209 @@
+"""The three GEMMs of an FP4 linear layer, written once: for one weight, and for a group of them.
+
+Shape legend: S rows (tokens; an MoE's routed slots sorted by expert), K features in, N
+features out, G groups (1 for a dense layer, E experts for an MoE projection).
+
+    forward   fprop  y_g  = x_g @ W_g^T      x along K, W along K (16x16 tiles for NVIDIA's recipe)
+    backward  dgrad  dx_g = dy_g @ W_g       dy along N, W along N (the columnwise copy)
+              wgrad  dW_g = dy_g^T @ x_g     dy and x along S (tokens), rotated when asked
+
+Group g is rows ``sizes[g]`` of x, times ``weight[g]``, under its own ``Call`` (its layer name,
+hence its seeds and tensor scales): a grouped projection makes exactly the operands a loop of
+dense layers would. Every operand is quantized from the high-precision tensor
+(quant.quantize_operand), never from another quantized copy (TE's rowwise / columnwise scheme);
+when fprop's and dgrad's weight operands are the same 16x16 RTNE tiles, dgrad multiplies
+fprop's block values transposed instead of quantizing W again (the same values, tested). A
+dithered weight is dithered once per call and both GEMMs quantize it. For wgrad the token axis
+is zero-padded to a multiple of 32 (zero rows add nothing to dy^T x); wgrad is one GEMM per
+group, its contraction running over the group's own rows.
+
+The seam ``_multiply`` takes one operand pair per group: pairs of FP4 operands go to
+kernels.values_mm (a dense layer) or kernels.grouped_values_mm (all experts in one launch on the
+Triton backend); anything else runs quant.run_gemm per group. Groups without rows are skipped
+(their weight gradient is zero).
+
+``QuantContext`` is the small mutable state a trainer shares with every FP4 layer of a model:
+the step ``tick`` (seeds stochastic rounding, random signs and dither, so a resumed run replays
+exactly), the training ``progress`` (for ``bf16_after``), and operand statistics collection.
+
+Public: ``QuantContext``, ``Call``, ``make_call``, ``layer_key``, ``compute_dtype``, ``fp4_gemms``.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from .. import kernels
+from ..formats import Rounding
+from ..kernels import BlockValues
+from .quant import derive_seed, dither, gemm_dtype, quantize_operand, rotation_for, run_gemm
+from .recipe import GEMMS, Recipe
+
+WGRAD_ROW_MULTIPLE = 32  # lcm of the block sizes (16, 32) and Hadamard sizes (16, 32)
+
+
+@dataclass
+class QuantContext:
+    """State shared by a model's FP4 layers; the trainer advances it."""
+
+    tick: int = 0
+    """Micro-batch counter (step * accumulation + micro): seeds every random choice."""
+    progress: float = 0.0
+    """Fraction of training done, in [0, 1]: selects ``Recipe.at_progress``."""
+    collect: bool = False
+    """Record quant_stats of every quantized operand into ``stats`` (costs a sync per operand)."""
+    stats: dict[str, dict[str, float]] = field(default_factory=dict)
+    """'<layer>.<gemm>.<a|b>' -> formats.quant_stats of that operand, from the last call."""
+    rank: int = 0
+    """Data-parallel rank. Ranks > 0 fold it into every seed: with one stream on all ranks, the
+    stochastic-rounding noise of their gradient shards would be correlated, and DDP's average
+    would not shrink it as a single GPU's larger batch does. Rank 0 keeps single-GPU seeds."""
+
+
+@dataclass(frozen=True)
+class Call:
+    """What one layer's call needs: the recipe in force, the seeds' root, where stats go."""
+
+    recipe: Recipe
+    name: str
+    root: int  # derive_seed(recipe.seed, layer, tick)
+    stats: dict[str, dict[str, float]] | None
+
+    def seed(self, gemm: str, side: str) -> int:
+        return derive_seed(self.root, GEMMS.index(gemm), ord(side))
+
+    def operand(self, t: torch.Tensor, axis: int, gemm: str, side: str, *, codes: bool = False):
+        """t quantized (and rotated) as ``gemm``'s operand ``side`` says (quant.quantize_operand)."""
+        spec = self.recipe.gemm(gemm)
+        rotation = rotation_for(spec, self.recipe.seed, derive_seed(self.root, GEMMS.index(gemm), ord("h")))
+        return quantize_operand(t, axis, getattr(spec, side), seed=self.seed(gemm, side), rotation=rotation,
+                                stats=self.stats, key=f"{self.name}.{gemm}.{side}", codes=codes)
+
+    def weight_source(self, weight: torch.Tensor) -> torch.Tensor:
+        """The weight fprop and dgrad quantize: dithered once per call when the recipe asks."""
+        spec = self.recipe.fprop.b
+        return dither(weight, spec, self.seed("fprop", "d")) if spec.dither else weight
+
+    def dgrad_reuses_fprop_weight(self) -> bool:
+        """fprop's and dgrad's weight operands are the same 16x16 RTNE tiles of the same tensor, so
+        dgrad can multiply fprop's block values transposed instead of quantizing W again (operand
+        statistics want dgrad's own quantization recorded)."""
+        f, d = self.recipe.fprop, self.recipe.dgrad
+        return (f.b == d.b and f.b.block2d and f.b.rounding is Rounding.RTNE and not f.rotated and not d.rotated
+                and d.a.quantized and self.stats is None)
+
+
+def layer_key(name: str) -> int:
+    """A stable integer per module name: seeds differ per layer and survive reordering."""
+    return zlib.crc32(name.encode())
+
+
+def make_call(recipe: Recipe, name: str, context: QuantContext) -> Call:
+    """The Call of layer ``name`` at the context's tick (the recipe in force at its progress)."""
+    parts = (recipe.seed, layer_key(name), context.tick) + ((context.rank,) if context.rank else ())
+    return Call(recipe=recipe.at_progress(context.progress), name=name, root=derive_seed(*parts),
+                stats=context.stats if context.collect else None)
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype nn.Linear would compute in: autocast's when it is on for x's device, else x's."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return x.dtype
+
+
+def _pad_rows(t: torch.Tensor) -> torch.Tensor:
+    extra = -t.shape[0] % WGRAD_ROW_MULTIPLE
+    return F.pad(t, (0, 0, 0, extra)) if extra else t
+
+
+def _multiply(a: list, a_axis: int, b: list, b_axis: int, grouped: bool, shape: tuple[int, int],
+              like: torch.Tensor) -> torch.Tensor:
+    """The seam: rows of pair g = A_g @ B_g^T, stacked -> ``shape`` in like's dtype."""
+    if not a:
+        return like.new_zeros(shape)
+    if all(isinstance(v, BlockValues) for v in a + b):
+        if grouped:
+            return kernels.grouped_values_mm(a, b, out_dtype=gemm_dtype(like.dtype)).to(like.dtype)
+        return kernels.values_mm(a[0], b[0], out_dtype=gemm_dtype(like.dtype)).to(like.dtype)
+    out = [run_gemm(va, a_axis, vb, b_axis, like.dtype) for va, vb in zip(a, b)]
+    return out[0] if len(out) == 1 else torch.cat(out)
+
+
+class _FP4GemmsFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int],
+                calls: list[Call], grouped: bool):
+        # x: [S, K], weight: [G, N, K], bias: [N] | None (dense only) -> y: [S, N]
+        live = [g for g, rows in enumerate(sizes) if rows or not grouped]
+        xs = x.split([sizes[g] for g in live]) if grouped else [x]
+        w_src = [calls[g].weight_source(weight[g]) for g in live]
+        fprop = calls[0].recipe.fprop
+        # ---- fprop: y = x @ W^T, contraction over K
+        w_fprop = None
+        if fprop.quantized or fprop.rotated:
+            w_fprop = [calls[g].operand(w, 1, "fprop", "b") for g, w in zip(live, w_src)]
+            a = [calls[g].operand(xg, 1, "fprop", "a") for g, xg in zip(live, xs)]
+            y = _multiply(a, 1, w_fprop, 1, grouped, (x.shape[0], weight.shape[1]), x)
+            y = y if bias is None else y + bias
+        elif grouped:
+            y = torch.cat([F.linear(xg, w) for xg, w in zip(xs, w_src)]) if live else x.new_zeros(
+                x.shape[0], weight.shape[1])
+        else:
+            y = F.linear(x, w_src[0], bias)
+        ctx.save_for_backward(x, weight)
+        ctx.sizes, ctx.calls, ctx.live, ctx.grouped, ctx.has_bias = sizes, calls, live, grouped, bias is not None
+        ctx.w_src = w_src if fprop.b.dither else None  # dithered copies (else weight[g] itself)
+        reuse = w_fprop is not None and calls[0].dgrad_reuses_fprop_weight() and ctx.needs_input_grad[0]
+        ctx.w_values = w_fprop if reuse else None
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        calls, live, grouped = ctx.calls, ctx.live, ctx.grouped
+        w_src = ctx.w_src if ctx.w_src is not None else [weight[g] for g in live]
+        rows = [ctx.sizes[g] for g in live]
+        xs, dys = (x.split(rows), dy.split(rows)) if grouped else ([x], [dy])
+        dgrad, wgrad = calls[0].recipe.dgrad, calls[0].recipe.wgrad
+        dx = dw = db = None
+        # ---- dgrad: dx = dy @ W, contraction over N
+        if ctx.needs_input_grad[0]:
+            if dgrad.quantized or dgrad.rotated:
+                k = weight.shape[2]
+                w_ops = ([v.transposed(k) for v in ctx.w_values] if ctx.w_values is not None
+                         else [calls[g].operand(w, 0, "dgrad", "b") for g, w in zip(live, w_src)])
+                a = [calls[g].operand(dyg, 1, "dgrad", "a") for g, dyg in zip(live, dys)]
+                dx = _multiply(a, 1, w_ops, 0, grouped, tuple(x.shape), dy)
+            else:
+                dx = torch.cat([dyg.mm(weight[g]) for g, dyg in zip(live, dys)]) if live else torch.zeros_like(x)
+        # ---- wgrad: dW = dy^T @ x, contraction over the group's tokens
+        if ctx.needs_input_grad[1]:
+            dw = torch.zeros_like(weight) if grouped else None
+            for g, dyg, xg in zip(live, dys, xs):
+                if wgrad.quantized or wgrad.rotated:
+                    dy_m, x_m = _pad_rows(dyg), _pad_rows(xg)
+                    dw_g = run_gemm(calls[g].operand(dy_m, 0, "wgrad", "a"), 0, calls[g].operand(x_m, 0, "wgrad", "b"),
+                                    0, dy.dtype)
+                else:
+                    dw_g = dyg.t().mm(xg)
+                if grouped:
+                    dw[g] = dw_g
+                else:
+                    dw = dw_g[None]
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = dy.sum(0)
+        return dx, dw, db, None, None, None
+
+
+def fp4_gemms(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int],
+              calls: list[Call], *, grouped: bool) -> torch.Tensor:
+    """x: [S, K], weight: [G, N, K] (G = 1 unless ``grouped``), bias: [N] | None, all in the
+    compute dtype -> y: [S, N]: group g's ``sizes[g]`` rows times weight[g]^T, the three GEMMs
+    under ``calls[g]`` (see the module doc). The recipe in force is calls[0]'s for every group."""
+    return _FP4GemmsFn.apply(x, weight, bias, list(sizes), list(calls), grouped)
