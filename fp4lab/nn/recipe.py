@@ -35,6 +35,7 @@ import dataclasses
 import json
 import math
 import tomllib
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -242,18 +243,18 @@ class Recipe:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Recipe":
         """Strict: unknown keys are errors (a typo must not silently fall back to a default)."""
-        _check_keys(cls, data, "recipe")
+        _check_fields(cls, data, "")
         kwargs = dict(data)
         for gemm in GEMMS:
             if gemm in kwargs:
                 spec = dict(kwargs[gemm])
-                _check_keys(GemmSpec, spec, gemm)
+                _check_fields(GemmSpec, spec, f"{gemm}.")
                 for side in ("a", "b"):
                     if side in spec:
-                        _check_keys(Operand, spec[side], f"{gemm}.{side}")
-                        spec[side] = Operand(**spec[side])
-                kwargs[gemm] = GemmSpec(**spec)
-        return cls(**kwargs)
+                        _check_fields(Operand, spec[side], f"{gemm}.{side}.")
+                        spec[side] = _build(Operand, spec[side], f"{gemm}.{side}")
+                kwargs[gemm] = _build(GemmSpec, spec, gemm)
+        return _build(cls, kwargs, "")
 
     def override(self, changes: dict[str, Any]) -> "Recipe":
         """A copy with dotted keys replaced: {"wgrad.hadamard": "random", "keep_last": 2}.
@@ -339,13 +340,59 @@ def _toml(data: dict[str, Any], prefix: str = "") -> str:
     return "\n".join(lines + [""] + tables)
 
 
-def _check_keys(cls: type, data: dict[str, Any], where: str) -> None:
+def _type_name(kind: Any) -> str:
+    args = typing.get_args(kind)
+    if typing.get_origin(kind) is tuple:
+        return f"a list of {_type_name(args[0])}"
+    if args:
+        return " or ".join(_type_name(a) for a in args)
+    if isinstance(kind, type) and issubclass(kind, Choice):
+        return "one of " + ", ".join(repr(m.value) for m in kind)
+    return "none" if kind is type(None) else getattr(kind, "__name__", str(kind))
+
+
+def _fits(value: Any, kind: Any) -> bool:
+    """Whether a TOML / JSON value can stand for a field of type ``kind`` (before parsing)."""
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if origin is tuple:
+        return isinstance(value, (list, tuple)) and all(_fits(v, args[0]) for v in value)
+    if args:  # a union
+        return any(_fits(value, a) for a in args)
+    if kind is type(None):
+        return value is None
+    if kind is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if isinstance(kind, type) and issubclass(kind, Choice):
+        return isinstance(value, str)
+    if kind in (GemmSpec, Operand):
+        return isinstance(value, (dict, kind))
+    return isinstance(value, kind)
+
+
+def _check_fields(cls: type, data: dict[str, Any], where: str) -> None:
+    """Known keys with values of the right type, else an error naming the dotted key."""
     if not isinstance(data, dict):
-        raise TypeError(f"{where} must be a table/object, got {type(data).__name__}")
-    unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
+        raise TypeError(f"{where.rstrip('.') or 'recipe'} must be a table/object, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    unknown = set(data) - set(hints)
     if unknown:
-        raise ValueError(f"unknown {where} key(s) {sorted(unknown)}; expected some of "
-                         f"{[f.name for f in dataclasses.fields(cls)]}")
+        raise ValueError(f"unknown recipe key(s) {sorted(where + k for k in unknown)}; expected some of "
+                         f"{sorted(where + k for k in hints)}")
+    for key, value in data.items():
+        if not _fits(value, hints[key]):
+            raise TypeError(f"{where}{key} must be {_type_name(hints[key])}, got {value!r}")
+
+
+def _build(cls: type, kwargs: dict[str, Any], where: str):
+    """cls(**kwargs), its value errors prefixed with the dotted key of the table."""
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as e:
+        if not where or str(e).startswith(where):
+            raise
+        raise type(e)(f"{where}: {e}") from None
 
 
 def load_recipe(source: str | Path) -> Recipe:
@@ -358,11 +405,17 @@ def load_recipe(source: str | Path) -> Recipe:
         raise FileNotFoundError(f"no recipe file {str(path)!r} and no preset of that name "
                                 f"(presets: {', '.join(PRESETS)})")
     text = path.read_text()
-    data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
-    base = data.pop("base", None)
-    if base is None:
-        return Recipe.from_dict(data)
-    return preset(base).override(dotted_keys(data))
+    try:
+        data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"recipe file {path}: not valid {'TOML' if path.suffix == '.toml' else 'JSON'}: {e}") from None
+    try:
+        base = data.pop("base", None)
+        if base is None:
+            return Recipe.from_dict(data)
+        return preset(base).override(dotted_keys(data))
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"recipe file {path}: {e}") from None
 
 
 def dotted_keys(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import re
 
 import pytest
 
@@ -52,13 +53,12 @@ def test_override_with_dotted_keys_and_toml_base(tmp_path):
 
 
 @pytest.mark.parametrize("bad, match", [
-    ({"fprop": {"a": {"formt": "nvfp4"}}}, "unknown fprop.a key"),
+    ({"fprop": {"a": {"formt": "nvfp4"}}}, r"unknown recipe key\(s\) \['fprop.a.formt'\]"),
     ({"keep_frist": 1}, "unknown recipe key"),
     ({"fprop": {"a": {"format": "fp8"}}}, "unknown Format"),
     ({"fprop": {"a": {"format": "nvfp4"}, "b": {"format": "mxfp4"}}}, "share a format"),
     ({"fprop": {"a": {"format": "mxfp4", "block2d": True}}}, "NVFP4 weight option"),
     ({"keep_fraction": [0.1]}, r"pair of fractions, got \[0.1\]"),
-    ({"keep_fraction": 0.1}, "pair of fractions, got 0.1"),
     ({"keep_fraction": [0.5, 0.5]}, r"sum below 1, got \[0.5, 0.5\]"),
     ({"keep_fraction": [-0.1, 0.2]}, r"\[0, 1\)"),
     ({"keep_fraction": [0.1, 0.2], "keep_last": 2}, "replaces keep_first / keep_last, got 0, 2"),
@@ -68,6 +68,33 @@ def test_override_with_dotted_keys_and_toml_base(tmp_path):
 def test_bad_recipes_are_rejected_with_the_reason(bad, match):
     with pytest.raises(ValueError, match=match):
         Recipe.from_dict(bad)
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"keep_fraction": 0.1}, "keep_fraction must be a list of float or none, got 0.1"),
+    ({"keep_first": "zero"}, "keep_first must be int, got 'zero'"),
+    ({"fprop": {"b": {"format": "nvfp4", "block2d": 3}}}, "fprop.b.block2d must be bool, got 3"),
+    ({"wgrad": {"hadamard_size": 16.5}}, "wgrad.hadamard_size must be int, got 16.5"),
+    ({"fprop": {"a": {"format": 4}}}, "fprop.a.format must be one of 'bf16', 'nvfp4', 'mxfp4', got 4"),
+])
+def test_wrong_types_name_the_dotted_key_and_the_type(bad, match):
+    with pytest.raises(TypeError, match=re.escape(match)):
+        Recipe.from_dict(bad)
+
+
+def test_recipe_file_errors_name_the_file(tmp_path):
+    syntax = tmp_path / "broken.toml"
+    syntax.write_text("keep_first = \n")
+    with pytest.raises(ValueError, match=f"recipe file {re.escape(str(syntax))}: not valid TOML: .*line 1"):
+        load_recipe(syntax)
+    typed = tmp_path / "typed.toml"
+    typed.write_text('base = "nvfp4"\nkeep_first = "zero"\n')
+    with pytest.raises(TypeError, match=f"recipe file {re.escape(str(typed))}: keep_first must be int, got 'zero'"):
+        load_recipe(typed)
+    nested = tmp_path / "nested.json"
+    nested.write_text('{"fprop": {"a": {"format": "nvfp4", "rounding": "down"}}}')
+    with pytest.raises(ValueError, match="nested.json: fprop.a: unknown Rounding 'down'"):
+        load_recipe(nested)
 
 
 def test_unknown_override_key_and_missing_file():
