@@ -22,7 +22,9 @@ holds all of a layer's experts); it counts as fp4 when it runs a recipe that qua
 rotates (``Recipe.quantized``: the FP4Linear of a BF16 recipe counts as bf16). f is the
 fraction of linear weight elements (expert weights included, biases not) in fp4 linears.
 
-Parameters are reused, not copied: state-dict keys, tying and optimizer state are unchanged.
+A recipe that quantizes but selects no linear of the model is an error (a run labelled FP4 that
+trains in BF16 would be a silent lie). Parameters are reused, not copied: state-dict keys, tying
+and optimizer state are unchanged.
 
 Public: ``quantize_model``, ``quant_context``, ``fp4_modules``, ``coverage``.
 """
@@ -84,6 +86,11 @@ def quantize_model(model: nn.Module, recipe: Recipe, *, context: QuantContext | 
         model.embed_gain, model.logits_gain = gains
     model.fp4_context, model.fp4_recipe = context, recipe
     model.fp4_coverage = coverage(model)
+    if recipe.quantized and not model.fp4_coverage["linears"]["fp4"]:
+        # a run labelled with an FP4 recipe must not silently train in BF16
+        raise ValueError(f"recipe {recipe.name} quantizes no linear of this model: its BF16 blocks (first "
+                         f"{bf16_blocks[0]}, last {bf16_blocks[1]} of {n_blocks}) and keep_bf16 {list(recipe.keep_bf16)} "
+                         f"cover every one; keep fewer (e.g. keep_first = keep_last = 0) or use a deeper model")
     return context
 
 

@@ -89,3 +89,10 @@ def _forward_with_scaled_embeddings(model, idx, gain):
         out = model(idx)
         model.wte.weight.div_(gain)
     return out
+
+
+def test_a_recipe_that_quantizes_no_linear_is_refused():
+    with pytest.raises(ValueError, match=r"quantizes no linear of this model: its BF16 blocks \(first 1, last 1 of 2\)"):
+        quantize_model(_tiny(depth=2), nvfp4(keep_first=1, keep_last=1))
+    quantize_model(_tiny(depth=2), bf16())  # a BF16 recipe quantizes nothing by design
+    assert coverage(_quantized := _tiny(depth=2)) and quantize_model(_quantized, nvfp4(keep_first=1, keep_last=0))
