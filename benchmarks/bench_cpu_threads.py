@@ -80,11 +80,12 @@ def measure(repeats: int) -> dict:
     cases = _cases()
     out: dict = {}
     for load in ("idle", "loaded"):
-        stop = mp.Event()
-        busy = mp.Process(target=_competitor, args=(stop,), daemon=True) if load == "loaded" else None
+        spawn = mp.get_context("spawn")  # a forked child would inherit the parent's OpenMP pool state
+        stop = spawn.Event()
+        busy = spawn.Process(target=_competitor, args=(stop,), daemon=True) if load == "loaded" else None
         if busy is not None:
             busy.start()
-            time.sleep(1.0)
+            time.sleep(5.0)  # let it import torch and get going
         try:
             for n in counts:
                 torch.set_num_threads(n)
