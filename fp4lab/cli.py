@@ -1,4 +1,15 @@
-"""``fp4lab`` command line: parses arguments, then calls the library. Nothing else lives here."""
+"""``fp4lab`` command line: parses arguments, then calls the library. Nothing else lives here.
+
+Every subcommand is registered one way: an ``add_parser(subparsers)`` function adds its parser
+and sets its ``handler`` (parsed arguments -> exit code) as a default; ``main`` calls each and
+then ``args.handler(args)``. This module's own subcommands (inspect, demo, train, report, study,
+convert) have theirs below; generate's is ``generate.add_parser``, verify's is
+``verify.cli.add_parser`` (its handler ``verify.cli.run``). The errors a user's input
+causes (a bad setting, a missing or corrupt file, a checkpoint of another run: ValueError,
+FileNotFoundError, CheckpointError, and RunLockedError for a second writer of a run folder) print as
+one line with exit code 2; anything else is a bug,
+and its traceback surfaces.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +21,7 @@ import tempfile
 from pathlib import Path
 
 from .train.checkpoint import CheckpointError
+from .train.lock import RunLockedError
 
 
 def _block(text: str) -> int | tuple[int, int]:
@@ -30,7 +42,7 @@ def _add_encoding_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
 
 
-def _inspect(path: Path, args: argparse.Namespace) -> int:
+def _inspect_file(path: Path, args: argparse.Namespace) -> int:
     from .inspect import InspectConfig, format_table, inspect_tensors, load_tensors
 
     tensors = load_tensors(path)
@@ -83,6 +95,17 @@ def _study(args: argparse.Namespace) -> int:
     print(text)
     print("wrote " + ", ".join(map(str, files)))
     return 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    if args.demo is None:
+        if args.file is None:
+            raise ValueError("give a FILE to inspect, or --demo")
+        return _inspect_file(args.file, args)
+    from .inspect import write_demo_tensors
+    with tempfile.TemporaryDirectory() as tmp:
+        path = write_demo_tensors(Path(tmp) / "demo.safetensors" if args.demo is True else args.demo)
+        return _inspect_file(path, args)
 
 
 def _convert(args: argparse.Namespace) -> int:
@@ -141,7 +164,7 @@ def _train(args: argparse.Namespace) -> int:
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, one rank reports
         print(gap_table([receipt]))
         print(f"wrote {cfg.out}/receipt.json")
-    return 0 if receipt["status"] in ("ok", "stopped") else 1
+    return 0 if receipt.status in ("ok", "stopped") else 1
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -164,20 +187,30 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="fp4lab", description="Bit-exact FP4 (NVFP4, MXFP4) research tools")
-    sub = parser.add_subparsers(dest="command", required=True)
+# ---- registration: one add_parser per subcommand, each setting its handler --------------------
+
+def _add_inspect(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("inspect", help="quantize each floating tensor of a file and tabulate the error")
     p.add_argument("file", type=Path, nargs="?", help="a .safetensors file or a torch file of tensors")
     p.add_argument("--demo", type=Path, nargs="?", const=True, default=None,
                    help="inspect generated LLM-shaped tensors instead (optionally kept at this path)")
     _add_encoding_args(p)
+    p.set_defaults(handler=_inspect)
+    return p
+
+
+def _add_demo(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="train a tiny GPT in BF16, NVFP4 and MXFP4 on the built-in corpus; "
                        "print the gap table, plot the curves")
     p.add_argument("--out", type=Path, default=Path("runs/demo"), help="run and report folder (default runs/demo)")
     p.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto",
                    help="which default size to use (auto: gpu when CUDA is available)")
     p.add_argument("--steps", type=int, default=None, help="override the number of steps")
+    p.set_defaults(handler=_demo)
+    return p
+
+
+def _add_train(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train one run: fp4lab train --model tiny --recipe nvfp4 --set lr=1e-3")
     p.add_argument("--config", type=Path, help="a TOML file of TrainConfig fields (with [model_overrides] and "
                    "[recipe_overrides] tables)")
@@ -189,16 +222,32 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override any setting: lr=1e-3, model.depth=4, recipe.wgrad.hadamard=random")
     p.add_argument("--resume", action="store_true", help="continue from the run directory's checkpoint")
+    p.set_defaults(handler=_train)
+    return p
+
+
+def _add_report(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("report", help="tables and plots from run receipts")
     p.add_argument("runs", nargs="+", type=Path, help="run directories (or receipt.json files)")
     p.add_argument("--out", type=Path, default=None, help="where report.md and the plots go")
     p.add_argument("--title", default="fp4lab")
     p.add_argument("--baseline", default=None, help="the arm every gap is taken to (default: the plain BF16 arm; "
                    "runs named ARM-seedK are seed K of ARM)")
-    from . import generate
+    p.set_defaults(handler=_report)
+    return p
+
+
+def _add_verify(sub) -> argparse.ArgumentParser:
     from .verify import cli as verify_cli
-    verify_cli.add_parser(sub)
-    generate.add_parser(sub)
+    return verify_cli.add_parser(sub)  # sets its handler, verify.cli.run
+
+
+def _add_generate(sub) -> argparse.ArgumentParser:
+    from . import generate
+    return generate.add_parser(sub)  # sets its handler, cli_generate
+
+
+def _add_study(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("study", help="run a published FP4 finding as a study (fp4lab study --list)")
     p.add_argument("name", nargs="?", help="the study to run (see --list)")
     p.add_argument("--list", action="store_true", help="list the studies with their arms and cost")
@@ -212,36 +261,38 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None, help="output folder (default results/<name>)")
     p.add_argument("--mx-mode", choices=["floor", "ceil", "even", "rceil"], default="rceil",
                    help="MXFP4 encoder of the conversion study's inputs")
+    p.set_defaults(handler=_study)
+    return p
+
+
+def _add_convert(sub) -> argparse.ArgumentParser:
+    # MXFP4 -> NVFP4 is the one conversion there is, so no target-format option
     p = sub.add_parser("convert", help="convert a gpt-oss-style MXFP4 safetensors checkpoint to NVFP4")
     p.add_argument("src", type=Path)
     p.add_argument("dst", type=Path)
-    p.add_argument("--to", choices=["nvfp4"], default="nvfp4")
     p.add_argument("--layout", choices=["modelopt", "compressed-tensors"], default="modelopt")
     p.add_argument("--method", choices=["requant", "verbatim-mid", "verbatim-search", "hybrid", "best"],
                    default="best")
     p.add_argument("--verify", action="store_true", help="read the output back and check every tensor")
+    p.set_defaults(handler=_convert)
+    return p
+
+
+SUBCOMMANDS = (_add_inspect, _add_demo, _add_train, _add_report, _add_verify, _add_generate, _add_study,
+               _add_convert)
+"""Every subcommand's add_parser, in the order ``fp4lab --help`` lists them."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="fp4lab", description="Bit-exact FP4 (NVFP4, MXFP4) research tools")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add_parser in SUBCOMMANDS:
+        add_parser(sub)
     args = parser.parse_args(argv)
     try:
-        if args.command == "convert":
-            return _convert(args)
-        if args.command == "study":
-            return _study(args)
-        if args.command == "verify":
-            from .verify.cli import run
-            return run(args)
-        if args.command == "generate":
-            return args.handler(args)
-        if args.command in ("train", "report", "demo"):
-            return {"train": _train, "report": _report, "demo": _demo}[args.command](args)
-        if args.demo is None:
-            if args.file is None:
-                raise ValueError("give a FILE to inspect, or --demo")
-            return _inspect(args.file, args)
-        from .inspect import write_demo_tensors
-        with tempfile.TemporaryDirectory() as tmp:
-            path = write_demo_tensors(Path(tmp) / "demo.safetensors" if args.demo is True else args.demo)
-            return _inspect(path, args)
-    except (ValueError, TypeError, FileNotFoundError, CheckpointError) as exc:
+        return args.handler(args)
+    except (ValueError, FileNotFoundError, CheckpointError, RunLockedError) as exc:  # the user's input, or a
+        # second writer of a run folder; a bug's traceback shows
         print(f"fp4lab {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +57,7 @@ from .nn import GPT, ModelConfig, Recipe, quantize_model
 from .nn.recipe import fprop
 from .train.corpus import EOT
 from .train.data import TokenStream, load_tokens
+from .train.receipt import Receipt
 
 PTQ_FORMATS = ("nvfp4", "mxfp4")
 
@@ -75,22 +75,23 @@ def _run_paths(path: str | Path) -> tuple[Path, Path]:
                             "train the run to its end, or pass the run or checkpoint directory")
 
 
-def _receipt(run_dir: Path) -> dict[str, Any]:
+def _receipt(run_dir: Path) -> Receipt:
     path = run_dir / "receipt.json"
     if not path.is_file():
         raise FileNotFoundError(f"{run_dir}: no receipt.json (its data entry names the dataset and tokenizer)")
-    return json.loads(path.read_text())
+    return Receipt.load(path)
 
 
-def _data_dir(receipt: dict[str, Any], run_dir: Path) -> Path:
-    path = Path(receipt.get("data", {}).get("path", ""))
+def _data_dir(receipt: Receipt, run_dir: Path) -> Path:
+    path = Path(receipt.data.path)
     if not str(path) or not path.exists():
         raise FileNotFoundError(f"dataset {str(path)!r} named by {run_dir / 'receipt.json'} does not exist")
     return path if path.is_dir() else path.parent
 
 
 def load_run(run_dir: str | Path, *, tokenizer: str | Path | None = None, device: str | torch.device = "cpu"):
-    """Rebuild a run's model -> (model: GPT in eval mode, tokenizer: tokenizers.Tokenizer, receipt).
+    """Rebuild a run's model -> (model: GPT in eval mode, tokenizer: tokenizers.Tokenizer, receipt:
+    train.receipt.Receipt).
 
     ``run_dir``: the run directory or its checkpoint directory. ``tokenizer``: a tokenizer.json
     to use instead of the dataset's. Raises FileNotFoundError (no checkpoint, receipt or
@@ -196,11 +197,11 @@ def _stream(source: Any, model: GPT, batch_size: int | None) -> TokenStream:
     if isinstance(source, (str, Path)):
         run, _ = _run_paths(source)
         receipt = _receipt(run)
-        cfg = receipt["config"]
-        tokens = load_tokens(Path(receipt["data"]["path"]))
+        cfg = receipt.config
+        tokens = load_tokens(Path(receipt.data.path))
         micro = batch_size or cfg["batch_size"] // cfg["grad_accum"]
         return TokenStream(tokens, seq_len=cfg["seq_len"], batch_size=micro, seed=cfg["seed"],
-                           val_fraction=cfg.get("val_fraction", 0.02), eot=receipt["data"].get("eot_id"))
+                           val_fraction=cfg.get("val_fraction", 0.02), eot=receipt.data.eot_id)
     tokens = source.cpu().numpy() if isinstance(source, torch.Tensor) else np.asarray(source)
     return TokenStream(tokens, seq_len=model.cfg.seq_len, batch_size=batch_size or 8)
 
@@ -284,10 +285,10 @@ def cli_generate(args: argparse.Namespace) -> int:
     copy's and the ptq_report table."""
     model, tok, receipt = load_run(args.run, tokenizer=args.tokenizer, device=args.device)
     fmt = "nvfp4" if args.compare and args.quantize == "none" else args.quantize
-    final = receipt["final"]
-    val = f"{final['val_loss']:.4f}" if final.get("val_loss") is not None else "n/a"
-    print(f"{args.run}: {model.num_params():,} parameters, trained with recipe {receipt['recipe']['name']} "
-          f"for {final['steps']} steps, val loss {val}")
+    final = receipt.final
+    val = f"{final.val_loss:.4f}" if final.val_loss is not None else "n/a"
+    print(f"{args.run}: {model.num_params():,} parameters, trained with recipe {receipt.recipe['name']} "
+          f"for {final.steps} steps, val loss {val}")
     models = {"bf16": model}
     if fmt != "none":
         models[fmt] = post_training_quantize(model, fmt)

@@ -3,9 +3,9 @@
     python scripts/compare_runs.py RUN_A RUN_B [RUN_C RUN_D ...]    (pairs, in order)
 """
 
-import json
 import sys
-from pathlib import Path
+
+from fp4lab.train.receipt import Receipt
 
 
 def main(runs: list[str]) -> None:
@@ -14,12 +14,12 @@ def main(runs: list[str]) -> None:
     print("| run | vs | steps | max abs train-loss diff | at step | final val diff | tokens/s ratio |")
     print("|---|---|---|---|---|---|---|")
     for a, b in zip(runs[::2], runs[1::2]):
-        ra, rb = (json.loads((Path(r) / "receipt.json").read_text()) for r in (a, b))
-        diffs = [(abs(la - lb), s) for (s, la), (_, lb) in zip(ra["train_curve"], rb["train_curve"])]
+        ra, rb = Receipt.load(a), Receipt.load(b)
+        diffs = [(abs(la - lb), s) for (s, la), (_, lb) in zip(ra.train_curve, rb.train_curve)]
         worst, at = max(diffs)
-        val = rb["final"]["val_loss"] - ra["final"]["val_loss"]
-        print(f"| {rb['name']} | {ra['name']} | {len(diffs)} | {worst:.2e} | {at} | {val:+.2e} | "
-              f"{rb['tokens_per_s'] / ra['tokens_per_s']:.2f} |")
+        val = rb.final.val_loss - ra.final.val_loss
+        print(f"| {rb.name} | {ra.name} | {len(diffs)} | {worst:.2e} | {at} | {val:+.2e} | "
+              f"{rb.tokens_per_s / ra.tokens_per_s:.2f} |")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
-"""`fp4lab inspect` and `fp4lab demo` as a user runs them."""
+"""`fp4lab inspect` and `fp4lab demo` as a user runs them; how subcommands register and fail."""
 
 import json
 
+import pytest
 import torch
 from safetensors.torch import save_file
 
@@ -41,3 +42,30 @@ def test_corrupt_and_missing_files_get_a_clear_error(tmp_path, capsys):
     assert "not a readable safetensors file" in capsys.readouterr().err
     assert main(["inspect", str(tmp_path / "nope.pt")]) == 2
     assert "no such file" in capsys.readouterr().err
+
+
+def test_every_subcommand_is_registered_one_way_with_a_handler():
+    import argparse
+
+    from fp4lab.cli import SUBCOMMANDS
+    sub = argparse.ArgumentParser(prog="fp4lab").add_subparsers(dest="command")
+    for add_parser in SUBCOMMANDS:
+        add_parser(sub)
+    assert set(sub.choices) == {"inspect", "demo", "train", "report", "verify", "generate", "study", "convert"}
+    assert all(callable(p.get_default("handler")) for p in sub.choices.values())
+    assert "--to" not in sub.choices["convert"].format_help()  # one conversion: nothing to choose
+
+
+def test_bad_settings_are_errors_and_bugs_show_their_traceback(tmp_path, capsys, monkeypatch):
+    assert main(["train", "--data", str(tmp_path), "--set", "steps=abc"]) == 2
+    assert "training setting steps='abc' must be int" in capsys.readouterr().err
+    assert main(["train", "--data", str(tmp_path), "--set", "model.depth=two"]) == 2
+    assert "model setting depth='two' must be int" in capsys.readouterr().err
+
+    from fp4lab.train import loop
+
+    def bug(*args, **kwargs):
+        raise TypeError("a bug, not the user's input")
+    monkeypatch.setattr(loop, "train", bug)
+    with pytest.raises(TypeError, match="a bug"):
+        main(["train", "--data", str(tmp_path)])

@@ -90,12 +90,12 @@ def test_load_run_reproduces_the_trained_bf16_model(runs):
     assert not model.training and (model.embed_gain, model.logits_gain) == (1.0, 1.0)
     assert torch.equal(model(_x(model)), ref(_x(model)))
     assert tok.get_vocab_size() == model.cfg.vocab_size == 300 and tok.token_to_id("<|endoftext|>") is not None
-    assert receipt["recipe"]["name"] == "bf16"
+    assert receipt.recipe["name"] == "bf16"
     # the checkpoint directory works too, and the run's own eval is reproduced to the bit
     again, _, _ = load_run(runs["bf16"] / "checkpoint")
     assert torch.equal(again(_x(model)), ref(_x(model)))
     report = ptq_report(model, model, runs["bf16"], batches=None)  # the final eval: the whole split
-    assert report["val_loss_bf16"] == receipt["final"]["val_loss"]
+    assert report["val_loss_bf16"] == receipt.final.val_loss
     assert report["top1_agreement"] == 1.0 and report["val_loss_increase"] == 0.0
 
 
@@ -105,10 +105,10 @@ def test_load_run_applies_the_gains_of_an_fp4_run(runs):
     assert not fp4_modules(model)  # the high-precision model: master weights and gains
     # putting the training recipe back on it gives the very function the run evaluated
     trained = _by_hand(runs["fp4"])
-    quantize_model(trained, Recipe.from_dict(receipt["recipe"]))
+    quantize_model(trained, Recipe.from_dict(receipt.recipe))
     assert (trained.embed_gain, trained.logits_gain) == (model.embed_gain, model.logits_gain)
     report = ptq_report(model, trained, runs["fp4"], batches=None)  # the final eval: the whole split
-    assert report["val_loss_fp4"] == receipt["final"]["val_loss"]
+    assert report["val_loss_fp4"] == receipt.final.val_loss
     # without its gains the same weights are another function
     bare = _by_hand(runs["fp4"])
     assert not torch.allclose(bare(_x(bare)), model(_x(bare)), atol=1e-2)

@@ -33,6 +33,7 @@ Public: ``SCALES``, ``STUDIES``, ``study``, ``scale``.
 
 from __future__ import annotations
 
+from ..train.receipt import Receipt
 from ..train.stats import CONTRADICTED, NOT_RESOLVED, REPRODUCED, Interval, combine, verdict
 from .study import Arm, Scale, Study, StudyRuns, Verdict
 
@@ -274,9 +275,9 @@ FORMATS = Study(
 
 # ---- stiction --------------------------------------------------------------------------------
 
-def mean_flip_rate(receipt: dict) -> float:
+def mean_flip_rate(receipt: Receipt) -> float:
     """Mean fraction of FP4 weight codes an optimizer step flipped, over the run's samples."""
-    rates = [rate for _, rate in receipt.get("flip_rate", [])]
+    rates = [rate for _, rate in receipt.flip_rate]
     return sum(rates) / len(rates) if rates else float("nan")
 
 

@@ -39,6 +39,7 @@ from tqdm import tqdm
 from ..train.checkpoint import CheckpointError
 from ..train.corpus import CORPORA, default_dataset
 from ..train.loop import TrainConfig, train
+from ..train.receipt import Receipt
 from ..train.report import arm_table, final_loss, gap_table, load_receipts, paired_gap, plots, runs_by_arm
 from ..train.stats import Interval, interval
 
@@ -93,7 +94,7 @@ Verdict = tuple[str, str]
 class StudyRuns:
     """The finished runs of a study, {arm: {seed: receipt}}, with paired comparisons."""
 
-    def __init__(self, runs: dict[str, dict[int, dict]]):
+    def __init__(self, runs: dict[str, dict[int, Receipt]]):
         self.runs = runs
 
     def has(self, *arms: str) -> bool:
@@ -107,7 +108,7 @@ class StudyRuns:
         """Paired final-loss gap arm - base over their shared seeds (None: no finite pair)."""
         return paired_gap(self.runs[arm], self.runs[base])
 
-    def contrast(self, weights: dict[str, float], value: Callable[[dict], float] = final_loss) -> Interval | None:
+    def contrast(self, weights: dict[str, float], value: Callable[[Receipt], float] = final_loss) -> Interval | None:
         """Mean over seeds of sum_a weights[a] * value(run of a), with its interval; seeds missing
         an arm or holding a diverged run are left out."""
         seeds = set.intersection(*(set(self.runs[a]) for a in weights))
@@ -193,16 +194,18 @@ def arm_configs(study: Study, scale: Scale, out: Path, *, seeds: tuple[int, ...]
     return configs
 
 
-def _same_config(receipt: dict, cfg: TrainConfig) -> bool:
-    return receipt["config"] == json.loads(json.dumps(cfg.to_dict()))
+def _same_config(receipt: Receipt, cfg: TrainConfig) -> bool:
+    # a field added to TrainConfig after the run was made reads as its default
+    ran = {**json.loads(json.dumps(TrainConfig().to_dict())), **receipt.config}
+    return ran == json.loads(json.dumps(cfg.to_dict()))
 
 
 def _done(cfg: TrainConfig) -> bool:
     path = Path(cfg.out) / "receipt.json"
     if not path.is_file():
         return False
-    receipt = json.loads(path.read_text())
-    return receipt["status"] in ("ok", "diverged") and _same_config(receipt, cfg)
+    receipt = Receipt.load(path)
+    return receipt.status in ("ok", "diverged") and _same_config(receipt, cfg)
 
 
 def _run_one(cfg: TrainConfig) -> str:
@@ -219,7 +222,7 @@ def _run_one(cfg: TrainConfig) -> str:
         receipt = receipt or train(cfg)
     except Exception as err:  # noqa: BLE001 -- one failed run (out of memory, bad data) must not stop the others
         return f"{cfg.out}: FAILED ({type(err).__name__}: {err})"
-    return f"{cfg.out}: {receipt['status']}, final val {receipt['final']['val_loss']}"
+    return f"{cfg.out}: {receipt.status}, final val {receipt.final.val_loss}"
 
 
 def run_study(study: Study, scale: Scale, out: Path, *, seeds: tuple[int, ...] | None = None,
@@ -255,7 +258,7 @@ def run_study(study: Study, scale: Scale, out: Path, *, seeds: tuple[int, ...] |
 _PER_RUN = {"seed", "out", "recipe", "recipe_overrides", "progress"}
 
 
-def load_study(study: Study, out: Path) -> dict[str, dict[int, dict]]:
+def load_study(study: Study, out: Path) -> dict[str, dict[int, Receipt]]:
     """{arm: {seed: receipt}} of the runs found on disk (arms with no finished run are left out).
     Runs made at another scale or with other --set values (left in the same folder) are refused
     with the settings that differ, never averaged in."""
@@ -266,38 +269,38 @@ def load_study(study: Study, out: Path) -> dict[str, dict[int, dict]]:
             found.update(runs_by_arm(load_receipts(runs)))
     for arm in study.arms:  # a folder named after an arm must hold that arm's recipe
         for receipt in found.get(arm.name, {}).values():
-            ran = (receipt["config"]["recipe"],
-                   {k: v for k, v in receipt["config"]["recipe_overrides"].items() if k != "seed"})
+            ran = (receipt.config["recipe"],
+                   {k: v for k, v in receipt.config["recipe_overrides"].items() if k != "seed"})
             if ran != (arm.recipe, arm.recipe_overrides):
-                raise ValueError(f"{out}: {receipt['name']} ran recipe {ran[0]} with {ran[1]}, but arm {arm.name} "
+                raise ValueError(f"{out}: {receipt.name} ran recipe {ran[0]} with {ran[1]}, but arm {arm.name} "
                                  f"is {arm.recipe} with {arm.recipe_overrides} (a run of an older definition?)")
     shared = {}
     for arm in study.arms:
         for receipt in found.get(arm.name, {}).values():
-            config = {k: v for k, v in receipt["config"].items() if k not in _PER_RUN and k not in arm.train}
+            config = {k: v for k, v in receipt.config.items() if k not in _PER_RUN and k not in arm.train}
             for key, value in config.items():
-                first = shared.setdefault(key, (value, receipt["name"]))
+                first = shared.setdefault(key, (value, receipt.name))
                 if first[0] != value:
                     raise ValueError(f"{out}: runs of different settings in one folder: {key} is {first[0]!r} in "
-                                     f"{first[1]} but {value!r} in {receipt['name']} (another --scale or --set?); "
+                                     f"{first[1]} but {value!r} in {receipt.name} (another --scale or --set?); "
                                      "use a fresh --out per scale")
     return {a.name: found[a.name] for a in study.arms if a.name in found}
 
 
-def _scale_line(runs: dict[str, dict[int, dict]]) -> str:
+def _scale_line(runs: dict[str, dict[int, Receipt]]) -> str:
     first = next(iter(next(iter(runs.values())).values()))
-    model, cfg, data = first["model"], first["config"], first["data"]
-    tokens = first["final"]["steps"] * cfg["batch_size"] * cfg["seq_len"]
-    split = data.get("split")
+    model, cfg, data = first.model, first.config, first.data
+    tokens = first.final.steps * cfg["batch_size"] * cfg["seq_len"]
+    split = data.split
     moe = (f", MoE {model['moe']['n_experts']} experts top-{model['moe']['top_k']}" if model.get("moe") else "")
     val = (f"; validation {split['val_tokens']:,} tokens in {split['val_docs']} held-out documents" if split
            else "; validation: the corpus tail (receipts before the document split)")
-    epochs = f", {data['epochs']:.2f} epochs" if data.get("epochs") is not None else ""
+    epochs = f", {data.epochs:.2f} epochs" if data.epochs is not None else ""
     seeds = sorted({s for seeds in runs.values() for s in seeds})
-    return (f"Scale: {model['depth']} blocks, D = {model['dim']}{moe}, {first['params']:,} parameters; "
-            f"{first['final']['steps']} steps of {cfg['batch_size']} x {cfg['seq_len']} = {tokens:,} tokens{epochs}; "
-            f"data {data['source']} ({data['tokens']:,} tokens){val}; device {first['device']}; "
-            f"git {first['git']['sha'][:12]}; seeds {seeds}.")
+    return (f"Scale: {model['depth']} blocks, D = {model['dim']}{moe}, {first.params:,} parameters; "
+            f"{first.final.steps} steps of {cfg['batch_size']} x {cfg['seq_len']} = {tokens:,} tokens{epochs}; "
+            f"data {data.source} ({data.tokens:,} tokens){val}; device {first.device}; "
+            f"git {first.git.sha[:12]}; seeds {seeds}.")
 
 
 def write_report(study: Study, out: Path) -> tuple[str, list[Path]]:

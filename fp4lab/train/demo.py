@@ -29,6 +29,7 @@ import torch
 
 from ..nn.recipe import NVIDIA_KEEP
 from .loop import TrainConfig, train
+from .receipt import Receipt
 from .report import final_loss, load_receipts, report
 
 ARMS = ("bf16", "nvfp4", "mxfp4")
@@ -53,31 +54,31 @@ def demo_configs(out: Path, *, arms=ARMS, gpu: bool | None = None, **changes) ->
     return configs
 
 
-def noise_verdicts(receipts: list[dict]) -> list[str]:
+def noise_verdicts(receipts: list[Receipt]) -> list[str]:
     """One line per FP4 arm: its gap to BF16 (seed 0) against the BF16 seed-to-seed band."""
-    by_name = {r["name"]: r for r in receipts}
+    by_name = {r.name: r for r in receipts}
     base, other = by_name.get("bf16-seed0"), by_name.get(f"bf16-seed{NOISE_SEED}")
     if base is None or other is None:
         return ["no noise band: the demo needs BF16 at seeds 0 and 1"]
     band = abs(final_loss(other) - final_loss(base))
     lines = [f"noise band (BF16 seed {NOISE_SEED} vs seed 0): {band:.4f}"]
     for r in receipts:
-        if r["name"].startswith("bf16"):
+        if r.name.startswith("bf16"):
             continue
         gap = final_loss(r) - final_loss(base)
         if gap != gap or abs(gap) == float("inf"):
-            lines.append(f"{r['name']}: {r['status']}")
+            lines.append(f"{r.name}: {r.status}")
             continue
         word = "not resolved (inside the noise band)" if abs(gap) <= band else \
             ("worse than BF16, beyond the noise band" if gap > 0 else "better than BF16, beyond the noise band")
-        lines.append(f"{r['name']}: gap to BF16 {gap:+.4f} ({100 * gap / final_loss(base):+.2f}%): {word}")
+        lines.append(f"{r.name}: gap to BF16 {gap:+.4f} ({100 * gap / final_loss(base):+.2f}%): {word}")
     return lines
 
 
 def _train_quietly(cfg: TrainConfig) -> str:
     torch.set_num_threads(1)  # two runs share two cores: one thread each beats two fighting threads
     receipt = train(dataclasses.replace(cfg, progress=False))
-    return f"{cfg.out}: {receipt['status']}, final val {receipt['final']['val_loss']:.4f}"
+    return f"{cfg.out}: {receipt.status}, final val {receipt.final.val_loss:.4f}"
 
 
 def run_demo(out: Path, *, arms=ARMS, gpu: bool | None = None, **changes) -> tuple[str, list[Path]]:

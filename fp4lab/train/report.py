@@ -20,63 +20,49 @@ Public: ``load_receipts``, ``arm_name``, ``runs_by_arm``, ``final_loss``, ``pair
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import statistics
 from pathlib import Path
-from typing import Any
 
 from ..nn.recipe import Recipe
+from .receipt import Receipt
 from .stats import Interval, interval
 
 _SEED = re.compile(r"-seed(\d+)$")
-Runs = dict[str, dict[int, dict[str, Any]]]
+Runs = dict[str, dict[int, Receipt]]
 """{arm: {seed: receipt}}"""
 
 
-def load_receipts(run_dirs: list[Path]) -> list[dict[str, Any]]:
-    receipts = []
-    for run in map(Path, run_dirs):
-        path = run / "receipt.json" if run.is_dir() else run
-        if not path.is_file():
-            raise FileNotFoundError(f"{run}: no receipt.json (did the run finish?)")
-        try:
-            receipt = json.loads(path.read_text())
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path}: not a readable receipt ({err})") from None
-        missing = {"name", "recipe", "final", "evals", "config", "seed", "status"} - set(receipt)
-        if missing:
-            raise ValueError(f"{path}: receipt lacks {sorted(missing)} (edited, or from another tool?)")
-        receipts.append(receipt)
-    return receipts
+def load_receipts(run_dirs: list[Path]) -> list[Receipt]:
+    """Run directories (or receipt.json files) -> their receipts, validated (Receipt.load)."""
+    return [Receipt.load(run) for run in map(Path, run_dirs)]
 
 
-def arm_name(receipt: dict[str, Any]) -> str:
+def arm_name(receipt: Receipt) -> str:
     """The run's arm: its name without a trailing -seed<k>."""
-    return _SEED.sub("", receipt["name"])
+    return _SEED.sub("", receipt.name)
 
 
-def runs_by_arm(receipts: list[dict[str, Any]]) -> Runs:
+def runs_by_arm(receipts: list[Receipt]) -> Runs:
     """Receipts -> {arm: {seed: receipt}} (two runs of one arm and seed are an error)."""
     runs: Runs = {}
     for r in receipts:
         arm = runs.setdefault(arm_name(r), {})
-        if r["seed"] in arm:
-            raise ValueError(f"two runs of arm {arm_name(r)!r} with seed {r['seed']}: "
-                             f"{arm[r['seed']]['name']} and {r['name']}")
-        arm[r["seed"]] = r
+        if r.seed in arm:
+            raise ValueError(f"two runs of arm {arm_name(r)!r} with seed {r.seed}: {arm[r.seed].name} and {r.name}")
+        arm[r.seed] = r
     return runs
 
 
-def final_loss(receipt: dict[str, Any]) -> float:
+def final_loss(receipt: Receipt) -> float:
     """Final validation loss; a diverged or unfinished run (or a non-finite loss) is +inf."""
-    value = receipt["final"]["val_loss"] if receipt["status"] == "ok" else None
+    value = receipt.final.val_loss if receipt.status == "ok" else None
     return value if value is not None and math.isfinite(value) else math.inf
 
 
-def _plain_bf16(receipt: dict[str, Any]) -> bool:
-    recipe = receipt["recipe"]
+def _plain_bf16(receipt: Receipt) -> bool:
+    recipe = receipt.recipe
     return not Recipe.from_dict(recipe).quantized and (recipe.get("embed_gain", 1.0), recipe.get("logits_gain", 1.0)) \
         == (1.0, 1.0)
 
@@ -90,7 +76,7 @@ def baseline_arm(runs: Runs, name: str | None = None) -> str | None:
     return next((arm for arm, seeds in runs.items() if all(map(_plain_bf16, seeds.values()))), None)
 
 
-def paired_gap(arm: dict[int, dict], base: dict[int, dict], *, value=final_loss) -> Interval | None:
+def paired_gap(arm: dict[int, Receipt], base: dict[int, Receipt], *, value=final_loss) -> Interval | None:
     """Mean over shared seeds of value(arm run) - value(base run), with its 95% interval (in %
     of the baseline's mean over those seeds). Seeds where either run diverged are left out;
     None when no seed is shared by two finite runs."""
@@ -131,13 +117,13 @@ def arm_table(runs: Runs, baselines: dict[str, str | None]) -> str:
         iv = paired_gap(seeds, runs[base]) if base is not None and base != arm and base in runs else None
         gap = iv.text() if iv is not None else "-"
         sep = separation(iv) if base is not None and base != arm else "-"
-        recipe = next(iter(seeds.values()))["recipe"]["name"]
+        recipe = next(iter(seeds.values())).recipe["name"]
         lines.append(f"| {arm} | {recipe} | {len(seeds)} | {_mean_sd([final_loss(r) for r in seeds.values()])} | "
                      f"{base if base != arm else '-'} | {gap} | {sep} |")
     return "\n".join(lines)
 
 
-def gap_table(receipts: list[dict[str, Any]], baselines: dict[str, str | None] | None = None) -> str:
+def gap_table(receipts: list[Receipt], baselines: dict[str, str | None] | None = None) -> str:
     """One row per run: final and min val loss, the gap to its own seed's baseline run, speed."""
     runs = runs_by_arm(receipts)
     if baselines is None:
@@ -146,40 +132,40 @@ def gap_table(receipts: list[dict[str, Any]], baselines: dict[str, str | None] |
     lines = ["| run | recipe | seed | final val | min val | gap to baseline (same seed) | gap % | tokens/s | "
              "x baseline | status |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in receipts:
-        final, best = r["final"]["val_loss"], r["final"]["min_val_loss"]
+        final, best = r.final.val_loss, r.final.min_val_loss
         base_arm = baselines.get(arm_name(r))
-        ref = runs.get(base_arm, {}).get(r["seed"]) if base_arm else None
+        ref = runs.get(base_arm, {}).get(r.seed) if base_arm else None
         gap = pct = speed = None
         note = "-"
         if base_arm is not None and base_arm != arm_name(r):
             if ref is None:
-                note = f"no {base_arm} run for seed {r['seed']}"
+                note = f"no {base_arm} run for seed {r.seed}"
             elif math.isfinite(final_loss(r)) and math.isfinite(final_loss(ref)):
                 gap = final_loss(r) - final_loss(ref)
                 pct = 100 * gap / final_loss(ref)
-                note = f"{gap:+.4f} vs {ref['name']}"
-            if ref is not None and r.get("tokens_per_s") and ref.get("tokens_per_s"):
-                speed = r["tokens_per_s"] / ref["tokens_per_s"]
-        lines.append(f"| {r['name']} | {r['recipe']['name']} | {r['seed']} | {_fmt(final, '.4f')} | "
-                     f"{_fmt(best, '.4f')} | {note} | {_fmt(pct, '+.2f')} | {_fmt(r.get('tokens_per_s'), ',.0f')} | "
-                     f"{_fmt(speed, '.2f')} | {r['status']} |")
+                note = f"{gap:+.4f} vs {ref.name}"
+            if ref is not None and r.tokens_per_s and ref.tokens_per_s:
+                speed = r.tokens_per_s / ref.tokens_per_s
+        lines.append(f"| {r.name} | {r.recipe['name']} | {r.seed} | {_fmt(final, '.4f')} | "
+                     f"{_fmt(best, '.4f')} | {note} | {_fmt(pct, '+.2f')} | {_fmt(r.tokens_per_s, ',.0f')} | "
+                     f"{_fmt(speed, '.2f')} | {r.status} |")
     return "\n".join(lines)
 
 
-def gap_curve(arm: dict[int, dict], base: dict[int, dict]) -> list[tuple[int, Interval]]:
+def gap_curve(arm: dict[int, Receipt], base: dict[int, Receipt]) -> list[tuple[int, Interval]]:
     """(tokens, paired gap interval) at every evaluation step that all shared seeds reached."""
     seeds = sorted(set(arm) & set(base))
-    curves = [({e["step"]: e for e in arm[s]["evals"]}, {e["step"]: e for e in base[s]["evals"]}) for s in seeds]
+    curves = [({e.step: e for e in arm[s].evals}, {e.step: e for e in base[s].evals}) for s in seeds]
     steps = sorted(set.intersection(*(set(a) & set(b) for a, b in curves))) if curves else []
     out = []
     for step in steps:
-        diffs = {s: a[step]["val_loss"] - b[step]["val_loss"] for s, (a, b) in zip(seeds, curves)}
+        diffs = {s: a[step].val_loss - b[step].val_loss for s, (a, b) in zip(seeds, curves)}
         if all(math.isfinite(d) for d in diffs.values()):
-            out.append((curves[0][0][step]["tokens"], interval(diffs)))
+            out.append((curves[0][0][step].tokens, interval(diffs)))
     return out
 
 
-def plots(receipts: list[dict[str, Any]], out_dir: Path, title: str,
+def plots(receipts: list[Receipt], out_dir: Path, title: str,
           baselines: dict[str, str | None] | None = None) -> list[Path]:
     import matplotlib
     matplotlib.use("Agg")
@@ -188,12 +174,12 @@ def plots(receipts: list[dict[str, Any]], out_dir: Path, title: str,
     fig, ax = plt.subplots(figsize=(7, 4.5))
     shown = []
     for r in receipts:
-        tokens_per_step = r["config"]["batch_size"] * r["config"]["seq_len"]
-        line, = ax.plot([e["tokens"] for e in r["evals"]], [e["val_loss"] for e in r["evals"]], marker="o",
-                        markersize=3, label=f"{r['name']} (val)")
-        shown += [e["val_loss"] for e in r["evals"][len(r["evals"]) // 3:]]
-        if r.get("train_curve"):
-            steps, losses = zip(*r["train_curve"])
+        tokens_per_step = r.config["batch_size"] * r.config["seq_len"]
+        line, = ax.plot([e.tokens for e in r.evals], [e.val_loss for e in r.evals], marker="o",
+                        markersize=3, label=f"{r.name} (val)")
+        shown += [e.val_loss for e in r.evals[len(r.evals) // 3:]]
+        if r.train_curve:
+            steps, losses = zip(*r.train_curve)
             ax.plot([s * tokens_per_step for s in steps], losses, color=line.get_color(), alpha=0.25, linewidth=0.8)
             shown += list(losses[len(losses) // 3:])
     ax.set(xlabel="tokens", ylabel="loss", title=f"{title}: validation loss (train faint)")
@@ -245,10 +231,10 @@ def report(run_dirs: list[Path], out_dir: Path, *, title: str = "fp4lab",
     base = baseline_arm(runs, baseline)
     baselines = {arm: base for arm in runs}
     env = receipts[0]
-    split = env["data"].get("split", {})
-    header = (f"# {title}\n\n{len(receipts)} runs; device {env['device']}; torch {env['versions']['torch']}; "
-              f"git {env['git']['sha'][:12]}; data {env['data']['source']} "
-              f"({env['data']['tokens']:,} tokens, sha256 {str(env['data']['identity'].get('sha256'))[:12]}"
+    split = env.data.split
+    header = (f"# {title}\n\n{len(receipts)} runs; device {env.device}; torch {env.versions['torch']}; "
+              f"git {env.git.sha[:12]}; data {env.data.source} "
+              f"({env.data.tokens:,} tokens, sha256 {str(env.data.identity.get('sha256'))[:12]}"
               + (f"; validation: {split['val_docs']} held-out documents, {split['val_tokens']:,} tokens" if split
                  else "") + ")\n\n"
               + (f"Gaps are paired by seed against arm `{base}`." if base else "No BF16 arm: no gaps.") + "\n\n")

@@ -74,6 +74,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     q.add_argument("--seed", type=int, default=0)
     q.add_argument("--examples", type=int, default=4, help="differing blocks to print")
     q.add_argument("--expect-equal", action="store_true", help="exit 1 if they differ")
+    p.set_defaults(handler=run)
     return p
 
 

@@ -50,7 +50,7 @@ def test_convert_round_trip(tmp_path, layout):
 def test_cli_convert_and_verify(tmp_path, capsys):
     src, dst = tmp_path / "mx.safetensors", tmp_path / "nv.safetensors"
     gpt_oss_file(src)
-    assert main(["convert", str(src), str(dst), "--to", "nvfp4", "--verify"]) == 0
+    assert main(["convert", str(src), str(dst), "--verify"]) == 0
     out = capsys.readouterr().out
     assert "verified" in out and "lossless" in out
     report = json.loads((tmp_path / "nv.conversion_report.json").read_text())

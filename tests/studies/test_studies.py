@@ -10,6 +10,7 @@ from fp4lab.cli import main
 from fp4lab.studies.catalog import SCALES, STUDIES
 from fp4lab.studies.study import StudyRuns, arm_configs, load_study, run_study, write_report
 from fp4lab.train.stats import CONTRADICTED, NOT_RESOLVED, REPRODUCED, VERDICTS
+from tests.train.receipts import make_receipt
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -29,10 +30,10 @@ def test_every_study_runs_at_smoke_scale_and_reports(name, tmp_path):
     assert set(runs) == {a.name for a in study.arms}
     for arm in study.arms:  # each arm ran its own recipe diff, recorded in the receipt
         receipt = runs[arm.name][0]  # {seed: receipt}
-        assert receipt["config"]["recipe"] == arm.recipe
-        assert receipt["recipe"]["seed"] == receipt["seed"] == 0
+        assert receipt.config["recipe"] == arm.recipe
+        assert receipt.recipe["seed"] == receipt.seed == 0
         for key, value in arm.train.items():
-            assert receipt["config"][key] == value
+            assert receipt.config[key] == value
     text, files = write_report(study, tmp_path)
     assert {f.name for f in files} == {"report.md", "headline.json", "loss.png", "gap.png"} - (
         set() if any(a.bf16 for a in study.arms) else {"gap.png"})
@@ -72,8 +73,9 @@ def test_seeds_vary_init_data_and_rounding_together(tmp_path):
 def _runs(finals: dict[str, tuple], flips: dict[str, tuple] | None = None) -> StudyRuns:
     """{arm: final val per seed} (None: diverged) -> StudyRuns of minimal receipts."""
     def receipt(arm, seed, value):
-        return {"name": f"{arm}-seed{seed}", "seed": seed, "status": "ok" if value is not None else "diverged",
-                "final": {"val_loss": value}, "flip_rate": [[5, (flips or {}).get(arm, (0.0,) * 9)[seed]]]}
+        status = "ok" if value is not None else "diverged"
+        return make_receipt(f"{arm}-seed{seed}", seed=seed, final=value, status=status,
+                            flip_rate=[(5, (flips or {}).get(arm, (0.0,) * 9)[seed])])
     return StudyRuns({arm: {s: receipt(arm, s, v) for s, v in enumerate(vals)} for arm, vals in finals.items()})
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from fp4lab.nn.recipe import NVIDIA_KEEP
 from fp4lab.train.demo import demo_configs, noise_verdicts, run_demo
+from tests.train.receipts import make_receipt
 
 
 def test_demo_runs_pair_seeds_and_keep_equal_bf16_blocks(tmp_path):
@@ -15,7 +16,7 @@ def test_demo_runs_pair_seeds_and_keep_equal_bf16_blocks(tmp_path):
 
 
 def _receipt(name, final):
-    return {"name": name, "status": "ok", "final": {"val_loss": final}}
+    return make_receipt(name, final=final)
 
 
 def test_a_gap_inside_the_noise_band_is_not_resolved():

@@ -10,7 +10,8 @@ from safetensors.torch import load_file
 
 from fp4lab.cli import main
 from fp4lab.train.checkpoint import CheckpointError
-from fp4lab.train.loop import TrainConfig, train
+from fp4lab.train.loop import RunState, TrainConfig, train
+from fp4lab.train.receipt import Receipt
 from fp4lab.train.report import gap_table, load_receipts, report
 
 
@@ -22,26 +23,28 @@ def _cfg(token_file, out, **kw) -> TrainConfig:
 
 RECEIPT_KEYS = {"schema", "name", "status", "message", "config", "recipe", "recipe_text", "model", "params",
                 "active_params", "data", "seed", "world", "git", "device", "versions", "evals", "train_curve",
-                "final", "wall_s", "tokens_per_s", "mfu", "flip_rate", "coverage"}
+                "final", "wall_s", "tokens_per_s", "mfu", "flip_rate", "coverage", "backend"}
 
 
 def test_receipt_is_complete_and_loss_falls(token_file, tmp_path):
     receipt = train(_cfg(token_file, tmp_path / "run", steps=30, eval_every=10, recipe="nvfp4_plain",
                          stiction_every=10))
     on_disk = json.loads((tmp_path / "run" / "receipt.json").read_text())
-    assert set(on_disk) == RECEIPT_KEYS and on_disk == json.loads(json.dumps(receipt))
-    assert receipt["status"] == "ok" and receipt["final"]["steps"] == 30
-    assert [e["step"] for e in receipt["evals"]] == [10, 20, 30]
-    assert receipt["evals"][-1]["val_loss"] < receipt["evals"][0]["val_loss"] - 0.3
-    assert receipt["recipe"]["name"] == "nvfp4_plain" and "fprop" in receipt["recipe_text"]
-    assert receipt["data"]["tokens"] == 40_000 and receipt["versions"]["torch"]
-    split = receipt["data"]["split"]  # no end-of-text id in these tokens: held-out chunks
+    assert set(on_disk) == RECEIPT_KEYS and on_disk == receipt.to_dict() and on_disk["schema"] == 2
+    assert Receipt.load(tmp_path / "run") == receipt  # what is read back is what was written
+    assert receipt.status == "ok" and receipt.final.steps == 30
+    assert [e.step for e in receipt.evals] == [10, 20, 30]
+    assert receipt.evals[-1].val_loss < receipt.evals[0].val_loss - 0.3
+    assert receipt.recipe["name"] == "nvfp4_plain" and "fprop" in receipt.recipe_text
+    assert receipt.data.tokens == 40_000 and receipt.versions["torch"]
+    split = receipt.data.split  # no end-of-text id in these tokens: held-out chunks
     assert split["train_tokens"] + split["val_tokens"] == 40_000 and split["val_docs"] >= 1
-    assert receipt["data"]["epochs"] == pytest.approx(30 * 8 * 32 / split["train_tokens"], rel=0.05)
-    assert receipt["coverage"]["linears"]["fp4"] > 0 and receipt["coverage"]["fp4_param_fraction"] > 0.5
-    assert set(receipt["git"]) == {"sha", "dirty", "diff_sha256"}
-    assert [s for s, _ in receipt["flip_rate"]] == [10, 20, 30]
-    assert all(0 < rate < 1 for _, rate in receipt["flip_rate"])  # codes move, not all of them
+    assert receipt.data.epochs == pytest.approx(30 * 8 * 32 / split["train_tokens"], rel=0.05)
+    assert receipt.coverage["linears"]["fp4"] > 0 and receipt.coverage["fp4_param_fraction"] > 0.5
+    assert set(on_disk["git"]) == {"sha", "dirty", "diff_sha256"}
+    assert receipt.backend == "reference"  # CPU tensors: the FP4 GEMMs ran fp4lab.formats' reference
+    assert [s for s, _ in receipt.flip_rate] == [10, 20, 30]
+    assert all(0 < rate < 1 for _, rate in receipt.flip_rate)  # codes move, not all of them
     lines = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [l["step"] for l in lines if "val_loss" in l] == [10, 20, 30]
     assert {"all", "blocks.0.attn.qkv"} <= set(next(l["flip_rate"] for l in lines if "flip_rate" in l))
@@ -54,13 +57,16 @@ def test_resume_continues_bit_identically(token_file, tmp_path, recipe):
     overrides = {"keep_first": 0, "keep_last": 0} if recipe == "nvfp4" else {}
     whole = train(_cfg(token_file, tmp_path / "whole", recipe=recipe, recipe_overrides=overrides))
     first = train(_cfg(token_file, tmp_path / "split", recipe=recipe, recipe_overrides=overrides, stop_at=5))
-    assert first["status"] == "stopped" and first["final"]["steps"] == 5
+    assert first.status == "stopped" and first.final.steps == 5
+    saved = RunState.from_checkpoint(json.loads((tmp_path / "split" / "checkpoint" / "state.json").read_text()))
+    assert (saved.step, saved.evals, saved.last_ckpt) == (5, list(first.evals), 5)  # what the checkpoint holds
+    assert saved.train_curve == [list(point) for point in first.train_curve]
     with open(tmp_path / "split" / "metrics.jsonl", "a") as f:  # what a crash after the checkpoint leaves
         f.write(json.dumps({"step": 6, "train_loss": 99.0}) + "\n")
     rest = train(_cfg(token_file, tmp_path / "split", recipe=recipe, recipe_overrides=overrides), resume=True)
-    assert rest["status"] == "ok"
-    assert rest["train_curve"] == whole["train_curve"]  # every loss, to the last bit
-    assert rest["evals"] == whole["evals"]
+    assert rest.status == "ok"
+    assert rest.train_curve == whole.train_curve  # every loss, to the last bit
+    assert rest.evals == whole.evals
     def logged(run):  # the metrics but their timings: the interrupted line is gone, nothing repeats
         lines = (tmp_path / run / "metrics.jsonl").read_text().splitlines()
         return [{k: v for k, v in json.loads(line).items() if k not in ("tokens_per_s", "mfu")} for line in lines]
@@ -130,19 +136,19 @@ def test_a_save_cut_between_its_renames_is_recovered_on_resume(token_file, tmp_p
     monkeypatch.setattr(loop_mod, "load_checkpoint", lambda *a, **k: loaded.append(real_load(*a, **k)) or loaded[-1])
     resumed = train(_cfg(token_file, tmp_path / "run", steps=8, eval_every=4, ckpt_every=4), resume=True)
     assert [state["step"] for state in loaded] == [4]  # continued from the restored checkpoint
-    assert resumed["final"] == full["final"] and resumed["evals"] == full["evals"]
+    assert resumed.final == full.final and resumed.evals == full.evals
     assert not list((tmp_path / "run").glob(".checkpoint.old-*"))
 
 
 def test_divergence_stops_the_run_and_keeps_the_last_good_checkpoint(token_file, tmp_path):
     receipt = train(_cfg(token_file, tmp_path / "run", steps=40, lr=30.0, clip=0.0, warmup=1, ckpt_every=1,
                          diverge_loss=8.0))
-    assert receipt["status"] == "diverged" and "diverged at step" in receipt["message"]
-    bad = receipt["final"]["steps"]
+    assert receipt.status == "diverged" and "diverged at step" in receipt.message
+    bad = receipt.final.steps
     assert bad < 40
     state = json.loads((tmp_path / "run" / "checkpoint" / "state.json").read_text())
     assert state["step"] == bad  # the step before the bad one, intact and loadable
-    assert f"checkpoint (step {bad}) is kept" in receipt["message"]
+    assert f"checkpoint (step {bad}) is kept" in receipt.message
 
 
 def test_report_is_rebuilt_from_receipts_alone(token_file, tmp_path):
@@ -155,7 +161,7 @@ def test_report_is_rebuilt_from_receipts_alone(token_file, tmp_path):
     table, files = report([tmp_path / "bf16", tmp_path / "mxfp4"], tmp_path / "report")
     assert {f.name for f in files} == {"report.md", "loss.png", "gap.png"}
     receipts = load_receipts([tmp_path / "bf16", tmp_path / "mxfp4"])
-    gap = receipts[1]["final"]["val_loss"] - receipts[0]["final"]["val_loss"]
+    gap = receipts[1].final.val_loss - receipts[0].final.val_loss
     row = next(line for line in table.splitlines() if line.startswith("| mxfp4 | mxfp4 | 0 |"))
     assert f"{gap:+.4f} vs bf16" in row  # the same seed's BF16 run
     assert gap_table(receipts) in table and (tmp_path / "report" / "report.md").read_text() == table
@@ -169,7 +175,7 @@ def test_cli_train_resume_and_report(token_file, tmp_path, capsys):
             "--set", "seq_len=32", "--set", "eval_every=2", "--set", "progress=false", "--recipe", "mxfp4"]
     assert main(args + ["--set", "stop_at=2"]) == 0
     assert main(args + ["--resume"]) == 0
-    assert json.loads((out / "receipt.json").read_text())["final"]["steps"] == 4
+    assert Receipt.load(out).final.steps == 4
     assert main(["report", str(out)]) == 0
     assert "| cli | mxfp4 |" in capsys.readouterr().out
     assert main(["train", "--data", str(token_file), "--set", "nonsense=1"]) == 2
@@ -196,11 +202,11 @@ def test_two_ranks_match_one_with_the_same_global_batch(token_file, tmp_path, mo
         done = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
                               timeout=300)
         assert done.returncode == 0, done.stderr[-2000:]
-    one, two = (json.loads((tmp_path / f"r{n}" / "receipt.json").read_text()) for n in (1, 2))
-    assert two["world"] == 2 and one["world"] == 1 and two["config"] == one["config"] | {"out": two["config"]["out"]}
-    for (s1, l1), (s2, l2) in zip(one["train_curve"], two["train_curve"], strict=True):
+    one, two = (Receipt.load(tmp_path / f"r{n}") for n in (1, 2))
+    assert two.world == 2 and one.world == 1 and two.config == one.config | {"out": two.config["out"]}
+    for (s1, l1), (s2, l2) in zip(one.train_curve, two.train_curve, strict=True):
         assert s1 == s2 and abs(l1 - l2) < tol * l1
-    assert abs(one["final"]["val_loss"] - two["final"]["val_loss"]) < tol * one["final"]["val_loss"]
+    assert abs(one.final.val_loss - two.final.val_loss) < tol * one.final.val_loss
 
 
 def test_cli_train_reads_a_toml_config(token_file, tmp_path):
@@ -208,5 +214,19 @@ def test_cli_train_reads_a_toml_config(token_file, tmp_path):
     config.write_text(f'data = "{token_file}"\nsteps = 3\nbatch_size = 8\nseq_len = 32\neval_every = 3\n'
                       'progress = false\nrecipe = "nvfp4"\n[recipe_overrides]\nkeep_first = 0\n[model_overrides]\ndepth = 1\n')
     assert main(["train", "--config", str(config), "--out", str(tmp_path / "run")]) == 0
-    receipt = json.loads((tmp_path / "run" / "receipt.json").read_text())
-    assert receipt["recipe"]["keep_first"] == 0 and receipt["model"]["depth"] == 1 and receipt["final"]["steps"] == 3
+    receipt = Receipt.load(tmp_path / "run")
+    assert receipt.recipe["keep_first"] == 0 and receipt.model["depth"] == 1 and receipt.final.steps == 3
+
+
+def test_a_second_writer_of_a_run_folder_is_refused_and_threads_are_restored(token_file, tmp_path):
+    import torch
+
+    from fp4lab.train.lock import RunLock, RunLockedError
+    before = torch.get_num_threads()
+    with RunLock(tmp_path / "run"):  # another writer holds the folder
+        with pytest.raises(RunLockedError, match="is being written by pid"):
+            train(_cfg(token_file, tmp_path / "run", steps=2))
+    assert not (tmp_path / "run" / "receipt.json").exists()
+    receipt = train(_cfg(token_file, tmp_path / "run", steps=2, threads=1))
+    assert receipt.status == "ok" and receipt.config["threads"] == 1
+    assert torch.get_num_threads() == before  # the run's CPU thread count does not leak out

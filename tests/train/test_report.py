@@ -6,18 +6,9 @@ import json
 
 import pytest
 
-from fp4lab.nn.recipe import preset
 from fp4lab.train.report import arm_table, gap_table, paired_gap, report, runs_by_arm
-
-
-def receipt(name: str, recipe: str, seed: int, final: float, *, status: str = "ok", curve=(4.0, 3.5)) -> dict:
-    evals = [{"step": 10 * (i + 1), "tokens": 1000 * (i + 1), "val_loss": v} for i, v in enumerate(curve)]
-    evals[-1]["val_loss"] = final
-    return {"name": name, "recipe": preset(recipe).to_dict(), "seed": seed, "status": status,
-            "final": {"val_loss": final, "min_val_loss": final, "steps": 20}, "evals": evals,
-            "config": {"batch_size": 10, "seq_len": 10}, "train_curve": [[10, 4.1], [20, 3.6]],
-            "tokens_per_s": 100.0, "device": "cpu", "versions": {"torch": "x"}, "git": {"sha": "0" * 40},
-            "data": {"source": "synthetic", "tokens": 1, "identity": {"sha256": None}}}
+from tests.train.receipts import make_receipt as receipt
+from tests.train.receipts import receipt_dict
 
 
 def test_each_seed_is_compared_with_its_own_baseline_seed():
@@ -56,7 +47,7 @@ def test_report_writes_intervals_and_band_plots(tmp_path):
         for seed, value in enumerate(values):
             d = tmp_path / f"{arm}-seed{seed}"
             d.mkdir()
-            (d / "receipt.json").write_text(json.dumps(receipt(d.name, arm, seed, value)))
+            (d / "receipt.json").write_text(json.dumps(receipt_dict(d.name, arm, seed, value)))
             dirs.append(d)
     text, files = report(dirs, tmp_path / "out")
     assert {f.name for f in files} == {"report.md", "loss.png", "gap.png"}

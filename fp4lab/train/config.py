@@ -1,0 +1,141 @@
+"""``TrainConfig``: every setting of one training run, checked when it is made.
+
+A config comes from Python, a TOML file (``fp4lab train --config``) or ``--set key=value``
+pairs (``with_overrides``), so a value may arrive with the wrong type (``--set steps=abc``).
+Each field is checked against its annotation when the config is built: a wrong type is a
+ValueError naming the setting, before any data is read (an int is taken where a float is due;
+a bool is never taken as a number). ``model_overrides`` are checked the same way against
+nn.ModelConfig by ``check_types``, which the loop calls before building the model.
+
+Public: ``TrainConfig``, ``check_types``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    out: str = "runs/run"
+    """Run directory (receipt, metrics, checkpoint)."""
+    model: str = "tiny"
+    """nn.MODEL_PRESETS name."""
+    model_overrides: dict = field(default_factory=dict)
+    """ModelConfig fields to replace, e.g. {"depth": 4}."""
+    recipe: str = "bf16"
+    """nn.recipe preset name or a .toml / .json recipe file."""
+    recipe_overrides: dict = field(default_factory=dict)
+    """Dotted recipe keys to replace, e.g. {"wgrad.hadamard": "random"}."""
+    data: str = "stdlib"
+    """A built-in corpus ("python", "stdlib") or a directory / file of token shards."""
+    data_max_bytes: int | None = None
+    """Built-in corpora only: use the first files holding this many bytes (CPU runs)."""
+    vocab_size: int = 8192
+    """BPE size when the built-in corpus is tokenized."""
+    steps: int = 200
+    batch_size: int = 16
+    """Sequences per optimizer step (global: over ranks and micro-batches)."""
+    grad_accum: int = 1
+    seq_len: int = 256
+    lr: float = 3e-3
+    """AdamW learning rate (dense lane and embeddings unless set apart)."""
+    embed_lr: float | None = None
+    muon_lr: float = 0.02
+    dense_opt: str = "adamw"
+    expert_opt: str = "adamw"
+    weight_decay: float = 0.0
+    warmup: int = 20
+    schedule: str = "cosine"
+    final_lr: float = 0.1
+    """Final learning rate as a fraction of the peak."""
+    clip: float = 1.0
+    threads: int = 1
+    """CPU runs: torch's intra-op threads (0: every core). One by default: on a 2-core machine two
+    threads are 1.7x faster idle but 5.4x slower beside a second job on the FP4 reference path
+    (benchmarks/results/cpu_threads.json), and one thread gives the same bits under any load.
+    Restored when the run ends; GPU runs leave it alone."""
+    eval_every: int = 50
+    eval_batches: int = 8
+    """Batches of each evaluation before the last; the final one covers the whole split."""
+    val_fraction: float = 0.02
+    """Fraction of documents held out for validation (data.split_documents)."""
+    log_every: int = 10
+    ckpt_every: int = 0
+    """Checkpoint every N steps (0: only at the end)."""
+    stop_at: int | None = None
+    """Stop after this step with a checkpoint, as a preempted or time-boxed job would; the
+    schedule still spans ``steps``, so ``--resume`` continues the same run."""
+    diverge_loss: float = 20.0
+    seed: int = 0
+    compile: bool = False
+    """torch.compile the model (CUDA; the FP4 layers' Triton calls run outside the graph)."""
+    progress: bool = True
+    stiction_every: int = 0
+    """Every N steps, measure the fraction of FP4 weight codes each optimizer step flips
+    (nn.diagnostics.StictionMeter; costs one weight quantization per layer). 0: never."""
+
+    def __post_init__(self) -> None:
+        check_types({f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, TrainConfig,
+                    what="training setting")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def with_overrides(self, changes: dict[str, Any]) -> "TrainConfig":
+        """Apply "key=value"-style changes: TrainConfig fields, "model.<field>", "recipe.<dotted>"
+        (or "model_overrides.<field>", "recipe_overrides.<dotted>": the spelling of TOML tables)."""
+        fields = {f.name: f for f in dataclasses.fields(self)}
+        direct, model_o, recipe_o = {}, dict(self.model_overrides), dict(self.recipe_overrides)
+        for key, value in changes.items():
+            head, _, rest = key.partition(".")
+            if head in ("model", "model_overrides") and rest:
+                model_o[rest] = value
+            elif head in ("recipe", "recipe_overrides") and rest:
+                recipe_o[rest] = value
+            elif key == "model_overrides":  # a whole table replaces the one before
+                model_o = value
+            elif key == "recipe_overrides":
+                recipe_o = value
+            elif key in fields:
+                direct[key] = value
+            else:
+                raise ValueError(f"unknown training setting {key!r}; fields: {', '.join(fields)}, "
+                                 "or model.<field>, recipe.<dotted key>")
+        return dataclasses.replace(self, **direct, model_overrides=model_o, recipe_overrides=recipe_o)
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _accepts(hint: Any, value: Any) -> bool | None:
+    """Whether ``value`` fits ``hint``; None where the hint is not a plain type (not checked)."""
+    if typing.get_origin(hint) in (types.UnionType, typing.Union):
+        verdicts = [_accepts(a, value) for a in typing.get_args(hint)]
+        return None if None in verdicts else any(verdicts)
+    if hint is type(None):
+        return value is None
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint in (str, bool, dict, list):
+        return isinstance(value, hint)
+    return None
+
+
+def check_types(values: dict[str, Any], cls: type, *, what: str) -> None:
+    """ValueError naming the first of ``values`` whose type does not fit the field of dataclass
+    ``cls`` it sets (fields of other types, e.g. nested configs, are left to ``cls``)."""
+    hints = _hints(cls)
+    for name, value in values.items():
+        if name in hints and _accepts(hints[name], value) is False:
+            expected = str(hints[name]).replace("typing.", "").replace("<class '", "").replace("'>", "")
+            raise ValueError(f"{what} {name}={value!r} must be {expected}, not {type(value).__name__}")

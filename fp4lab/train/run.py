@@ -1,0 +1,150 @@
+"""A run's setup: ranks, data, model, recipe and optimizers, built in one fixed order.
+
+``setup(cfg)`` -> ``Run``, what a training session holds fixed from its first step to its last
+(train.loop advances a RunState against it). The order matters: torch.manual_seed(cfg.seed)
+comes after the data (tokenizing may draw random numbers) and before the model, so the
+initial weights depend on the seed alone. A setting of the wrong type (a model override; a
+recipe file or override of the wrong shape) is a ValueError before the model is built.
+Under torchrun (WORLD_SIZE > 1) the process group starts here, and the model is wrapped in
+DistributedDataParallel. The data entry of the receipt (receipt.Data) is filled here, with the
+document split and the epochs the budget makes.
+
+Public: ``Run``, ``setup``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..nn import GPT, ModelConfig, QuantContext, Recipe, load_recipe, model_config, quantize_model
+from .config import TrainConfig, check_types
+from .corpus import CORPORA, default_dataset
+from .data import TokenStream, dataset_meta, load_tokens
+from .optim import build_optimizers
+from .receipt import Data, peak_flops
+
+
+@dataclass(frozen=True, kw_only=True)
+class Run:
+    """What ``_setup`` builds for one session of a run; nothing in it changes while it trains."""
+
+    cfg: TrainConfig
+    """The run's settings."""
+    out: Path
+    """The run directory."""
+    rank: int
+    """This process's rank (0 on one GPU)."""
+    world: int
+    """Ranks in all."""
+    device: torch.device
+    """This rank's GPU, or the CPU."""
+    data: Data
+    """The receipt's data entry (split and epochs included)."""
+    stream: TokenStream
+    """This rank's share of every batch, and the validation windows."""
+    mcfg: ModelConfig
+    """The model preset with the run's vocabulary, sequence length and overrides."""
+    recipe: Recipe
+    """The recipe preset (or file) with the run's overrides."""
+    model: GPT
+    """The model itself, its linears swapped for FP4 layers as the recipe says."""
+    runner: torch.nn.Module
+    """The model as called for training: wrapped in DDP (several ranks) and torch.compile (if asked)."""
+    context: QuantContext
+    """The FP4 layers' QuantContext (tick and progress are set per micro-batch)."""
+    optimizers: list
+    """optim.build_optimizers' optimizers (one per parameter lane)."""
+    identity: dict
+    """What a checkpoint must match to be resumed."""
+    flops_per_token: float
+    """6 x active parameters + attention, for MFU."""
+    peak: float | None
+    """The device's dense BF16 peak, FLOP/s (None: unknown)."""
+
+    @property
+    def autocast(self) -> bool:
+        return self.device.type == "cuda"
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.cfg.batch_size * self.cfg.seq_len
+
+
+def _dist() -> tuple[int, int, int]:
+    world, local_rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_RANK", "0"))
+    if world > 1 and not dist.is_initialized():
+        if torch.cuda.is_available():  # before NCCL starts, so that its collectives use this rank's GPU
+            torch.cuda.set_device(local_rank)
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return (dist.get_rank(), world, local_rank) if world > 1 else (0, 1, 0)
+
+
+def _tokens(cfg: TrainConfig) -> tuple[Any, Path, dict]:
+    path = Path(cfg.data)
+    if cfg.data in CORPORA:
+        path = default_dataset(cfg.data, vocab_size=cfg.vocab_size, max_bytes=cfg.data_max_bytes)
+    elif not path.exists():
+        raise FileNotFoundError(f"data {cfg.data!r} is neither a built-in corpus {CORPORA} nor a path")
+    return load_tokens(path), path, dataset_meta(path) if path.is_dir() else {}
+
+
+def _recipe(cfg: TrainConfig) -> Recipe:
+    try:
+        recipe = load_recipe(cfg.recipe)
+        return recipe.override(cfg.recipe_overrides) if cfg.recipe_overrides else recipe
+    except TypeError as err:  # a recipe file or override of the wrong shape: the user's input, said as such
+        raise ValueError(f"recipe {cfg.recipe!r} with {cfg.recipe_overrides}: {err}") from err
+
+
+def setup(cfg: TrainConfig) -> Run:
+    """Ranks, data, model, recipe and optimizers -> the Run (the order fixes the random streams)."""
+    rank, world, local_rank = _dist()
+    device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if cfg.batch_size % (cfg.grad_accum * world):
+        raise ValueError(f"batch_size {cfg.batch_size} must divide by grad_accum x ranks = {cfg.grad_accum * world}")
+    check_types(cfg.model_overrides, ModelConfig, what="model setting")
+    tokens, path, meta = _tokens(cfg)
+    vocab = meta.get("vocab_size") or int(tokens.max()) + 1
+    mcfg = model_config(cfg.model, vocab_size=vocab, seq_len=cfg.seq_len, **cfg.model_overrides)
+    recipe = _recipe(cfg)
+    stream = TokenStream(tokens, seq_len=cfg.seq_len, batch_size=cfg.batch_size // cfg.grad_accum, seed=cfg.seed,
+                         rank=rank, world=world, val_fraction=cfg.val_fraction, eot=meta.get("eot_id"))
+    epochs = cfg.steps * cfg.batch_size / stream.n_train
+    data = Data(source=cfg.data, path=str(path), tokens=int(len(tokens)),
+                identity=meta.get("identity", {"sha256": None}), vocab_size=meta.get("vocab_size"),
+                tokenizer_sha256=meta.get("tokenizer_sha256"), eot_id=meta.get("eot_id"), split=stream.split_info,
+                epochs=epochs)
+    if epochs > 1 and rank == 0:
+        print(f"note: {cfg.steps} steps of {cfg.batch_size} x {cfg.seq_len} tokens make {epochs:.2f} epochs of the "
+              f"{stream.split_info['train_tokens']:,} training tokens", flush=True)
+
+    torch.manual_seed(cfg.seed)
+    model = GPT(mcfg)
+    context = quantize_model(model, recipe)
+    context.rank = rank
+    model.to(device)
+    optimizers = build_optimizers(model, lr=cfg.lr, weight_decay=cfg.weight_decay, dense=cfg.dense_opt,
+                                  expert=cfg.expert_opt, muon_lr=cfg.muon_lr, embed_lr=cfg.embed_lr)
+    runner = model
+    if world > 1:
+        # buffers stay per rank: the MoE load counts are summed over ranks explicitly, once a step
+        runner = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[local_rank] if device.type == "cuda" else None, broadcast_buffers=False)
+    if cfg.compile:
+        runner = torch.compile(runner)
+    # what a checkpoint must match to be resumed; steps stays in: another budget is another schedule
+    identity = {"config": {k: v for k, v in cfg.to_dict().items() if k not in ("out", "progress", "ckpt_every",
+                                                                               "compile", "stop_at", "threads")},
+                "model": mcfg.to_dict(), "recipe": recipe.to_dict(), "data": data.identity, "world": world}
+    flops_per_token = 6 * model.num_params(active=True) + 12 * mcfg.depth * mcfg.dim * cfg.seq_len
+    return Run(cfg=cfg, out=Path(cfg.out), rank=rank, world=world, device=device, data=data, stream=stream,
+               mcfg=mcfg, recipe=recipe, model=model, runner=runner, context=context, optimizers=optimizers,
+               identity=identity, flops_per_token=flops_per_token, peak=peak_flops(device))
