@@ -35,12 +35,12 @@ import dataclasses
 import json
 import math
 import tomllib
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 from ..formats.types import Choice, Format, MXScaleMode, NVFP4Profile, Rounding
+from ..typecheck import field_types, fits, type_name
 
 GEMMS = ("fprop", "dgrad", "wgrad")
 
@@ -340,49 +340,18 @@ def _toml(data: dict[str, Any], prefix: str = "") -> str:
     return "\n".join(lines + [""] + tables)
 
 
-def _type_name(kind: Any) -> str:
-    args = typing.get_args(kind)
-    if typing.get_origin(kind) is tuple:
-        return f"a list of {_type_name(args[0])}"
-    if args:
-        return " or ".join(_type_name(a) for a in args)
-    if isinstance(kind, type) and issubclass(kind, Choice):
-        return "one of " + ", ".join(repr(m.value) for m in kind)
-    return "none" if kind is type(None) else getattr(kind, "__name__", str(kind))
-
-
-def _fits(value: Any, kind: Any) -> bool:
-    """Whether a TOML / JSON value can stand for a field of type ``kind`` (before parsing)."""
-    origin, args = typing.get_origin(kind), typing.get_args(kind)
-    if origin is tuple:
-        return isinstance(value, (list, tuple)) and all(_fits(v, args[0]) for v in value)
-    if args:  # a union
-        return any(_fits(value, a) for a in args)
-    if kind is type(None):
-        return value is None
-    if kind is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if kind is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if isinstance(kind, type) and issubclass(kind, Choice):
-        return isinstance(value, str)
-    if kind in (GemmSpec, Operand):
-        return isinstance(value, (dict, kind))
-    return isinstance(value, kind)
-
-
 def _check_fields(cls: type, data: dict[str, Any], where: str) -> None:
     """Known keys with values of the right type, else an error naming the dotted key."""
     if not isinstance(data, dict):
         raise TypeError(f"{where.rstrip('.') or 'recipe'} must be a table/object, got {type(data).__name__}")
-    hints = typing.get_type_hints(cls)
+    hints = field_types(cls)
     unknown = set(data) - set(hints)
     if unknown:
         raise ValueError(f"unknown recipe key(s) {sorted(where + k for k in unknown)}; expected some of "
                          f"{sorted(where + k for k in hints)}")
     for key, value in data.items():
-        if not _fits(value, hints[key]):
-            raise TypeError(f"{where}{key} must be {_type_name(hints[key])}, got {value!r}")
+        if fits(value, hints[key]) is False:
+            raise TypeError(f"{where}{key} must be {type_name(hints[key])}, got {value!r}")
 
 
 def _build(cls: type, kwargs: dict[str, Any], where: str):

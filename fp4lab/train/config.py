@@ -13,11 +13,10 @@ Public: ``TrainConfig``, ``check_types``.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import types
-import typing
 from dataclasses import dataclass, field
 from typing import Any
+
+from ..typecheck import field_types, fits, type_name
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,32 +109,10 @@ class TrainConfig:
         return dataclasses.replace(self, **direct, model_overrides=model_o, recipe_overrides=recipe_o)
 
 
-@functools.cache
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def _accepts(hint: Any, value: Any) -> bool | None:
-    """Whether ``value`` fits ``hint``; None where the hint is not a plain type (not checked)."""
-    if typing.get_origin(hint) in (types.UnionType, typing.Union):
-        verdicts = [_accepts(a, value) for a in typing.get_args(hint)]
-        return None if None in verdicts else any(verdicts)
-    if hint is type(None):
-        return value is None
-    if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if hint in (str, bool, dict, list):
-        return isinstance(value, hint)
-    return None
-
-
 def check_types(values: dict[str, Any], cls: type, *, what: str) -> None:
     """ValueError naming the first of ``values`` whose type does not fit the field of dataclass
     ``cls`` it sets (fields of other types, e.g. nested configs, are left to ``cls``)."""
-    hints = _hints(cls)
+    hints = field_types(cls)
     for name, value in values.items():
-        if name in hints and _accepts(hints[name], value) is False:
-            expected = str(hints[name]).replace("typing.", "").replace("<class '", "").replace("'>", "")
-            raise ValueError(f"{what} {name}={value!r} must be {expected}, not {type(value).__name__}")
+        if name in hints and fits(value, hints[name]) is False:
+            raise ValueError(f"{what} {name}={value!r} must be {type_name(hints[name])}, not {type(value).__name__}")
