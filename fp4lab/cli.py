@@ -160,7 +160,7 @@ def _train(args: argparse.Namespace) -> int:
             changes[key] = getattr(args, key)
     changes.update(_settings(args.set))
     cfg = TrainConfig().with_overrides(changes)
-    receipt = train(cfg, resume=args.resume)
+    receipt = train(cfg, resume=args.resume, overwrite=args.overwrite)
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, one rank reports
         print(gap_table([receipt]))
         print(f"wrote {cfg.out}/receipt.json")
@@ -222,6 +222,7 @@ def _add_train(sub) -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override any setting: lr=1e-3, model.depth=4, recipe.wgrad.hadamard=random")
     p.add_argument("--resume", action="store_true", help="continue from the run directory's checkpoint")
+    p.add_argument("--overwrite", action="store_true", help="replace a run the directory already holds")
     p.set_defaults(handler=_train)
     return p
 

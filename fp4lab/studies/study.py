@@ -219,7 +219,7 @@ def _run_one(cfg: TrainConfig) -> str:
         except CheckpointError as err:
             print(f"{cfg.out}: not resuming ({err}); starting over", flush=True)
     try:
-        receipt = receipt or train(cfg)
+        receipt = receipt or train(cfg, overwrite=True)  # a run of another config, or one that failed
     except Exception as err:  # noqa: BLE001 -- one failed run (out of memory, bad data) must not stop the others
         return f"{cfg.out}: FAILED ({type(err).__name__}: {err})"
     return f"{cfg.out}: {receipt.status}, final val {receipt.final.val_loss}"

@@ -77,7 +77,7 @@ def noise_verdicts(receipts: list[Receipt]) -> list[str]:
 
 def _train_quietly(cfg: TrainConfig) -> str:
     torch.set_num_threads(1)  # two runs share two cores: one thread each beats two fighting threads
-    receipt = train(dataclasses.replace(cfg, progress=False))
+    receipt = train(dataclasses.replace(cfg, progress=False), overwrite=True)  # the demo owns its folders
     return f"{cfg.out}: {receipt.status}, final val {receipt.final.val_loss:.4f}"
 
 
@@ -90,7 +90,7 @@ def run_demo(out: Path, *, arms=ARMS, gpu: bool | None = None, **changes) -> tup
               f"{cfg.seq_len} tokens)", flush=True)
     if gpu or (os.cpu_count() or 1) < 2:
         for cfg in configs:
-            train(cfg)
+            train(cfg, overwrite=True)
     else:
         from .corpus import default_dataset
         default_dataset(configs[0].data, vocab_size=configs[0].vocab_size, max_bytes=configs[0].data_max_bytes)

@@ -34,8 +34,10 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -97,12 +99,15 @@ class RunState:
                    flips=state.get("flips", []), wall_before=state["wall_s"], last_ckpt=state["step"] or None)
 
 
-def train(cfg: TrainConfig, *, resume: bool = False) -> Receipt:
+def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False) -> Receipt:
     """Run ``cfg`` (resuming from its checkpoint if asked) -> the receipt (also written to disk).
-    Rank 0 holds the run directory's lock (lock.RunLock) throughout: a second writer is refused."""
+    Rank 0 holds the run directory's lock (lock.RunLock) throughout: a second writer is refused.
+    A folder that already holds a run is never replaced silently (``_claim_folder``)."""
     lock = RunLock(cfg.out).acquire() if int(os.environ.get("RANK", "0")) == 0 else None
     threads = torch.get_num_threads()
     try:
+        if lock is not None:
+            _claim_folder(Path(cfg.out), resume=resume, overwrite=overwrite)
         if not torch.cuda.is_available():
             torch.set_num_threads(cfg.threads or os.cpu_count() or 1)
         run = setup(cfg)
@@ -128,6 +133,29 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> Receipt:
 
 
 # ---- resume and the metrics file -------------------------------------------------------------
+
+RUN_FILES = ("receipt.json", "metrics.jsonl", "checkpoint")
+
+
+def _claim_folder(out: Path, *, resume: bool, overwrite: bool) -> None:
+    """What a start does to a folder that already holds a run: ``resume`` continues its
+    checkpoint (a folder with none starts from step 0, saying so, unless it holds a finished or
+    partial run); ``overwrite`` removes the old run first; anything else is refused."""
+    if resume:
+        recover_interrupted_save(out / "checkpoint")  # a save cut between its renames
+    held = [name for name in RUN_FILES if (out / name).exists()]
+    if resume and (out / "checkpoint").exists():
+        return
+    if held and not overwrite:
+        what = ", ".join(held)
+        if resume:
+            raise ValueError(f"{out} holds a run ({what}) but no checkpoint to resume; --overwrite starts it over")
+        raise ValueError(f"{out} already holds a run ({what}); --resume continues it, --overwrite replaces it, "
+                         "or choose another --out")
+    for name in held:
+        shutil.rmtree(out / name) if (out / name).is_dir() else (out / name).unlink()
+    if resume and not held:
+        print(f"note: no checkpoint in {out}: starting from step 0", flush=True)
 
 def _resume(run: Run) -> RunState:
     """The checkpoint's model, optimizer and RNG states loaded -> its RunState (a fresh one if

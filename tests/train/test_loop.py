@@ -230,3 +230,20 @@ def test_a_second_writer_of_a_run_folder_is_refused_and_threads_are_restored(tok
     receipt = train(_cfg(token_file, tmp_path / "run", steps=2, threads=1))
     assert receipt.status == "ok" and receipt.config["threads"] == 1
     assert torch.get_num_threads() == before  # the run's CPU thread count does not leak out
+
+
+def test_a_run_folder_is_never_replaced_silently(token_file, tmp_path, capsys):
+    run = tmp_path / "run"
+    first = train(_cfg(token_file, run, steps=2))
+    with pytest.raises(ValueError, match=r"already holds a run \(receipt.json, metrics.jsonl, checkpoint\); "
+                                         r"--resume continues it, --overwrite replaces it"):
+        train(_cfg(token_file, run, steps=2, seed=1))
+    assert json.loads((run / "receipt.json").read_text())["seed"] == 0  # untouched
+    shutil.rmtree(run / "checkpoint")
+    with pytest.raises(ValueError, match="holds a run .* but no checkpoint to resume; --overwrite starts it over"):
+        train(_cfg(token_file, run, steps=2), resume=True)
+    second = train(_cfg(token_file, run, steps=2, seed=1), overwrite=True)
+    assert second.seed == 1 and first.seed == 0
+    capsys.readouterr()
+    fresh = train(_cfg(token_file, tmp_path / "new", steps=2), resume=True)
+    assert fresh.status == "ok" and "no checkpoint in" in capsys.readouterr().out
