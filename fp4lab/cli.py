@@ -170,8 +170,10 @@ def _train(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace) -> int:
     from .train.report import report
 
-    table, files = report(args.runs, args.out or Path(args.runs[0]).parent, title=args.title,
-                          baseline=args.baseline)
+    runs = [Path(r).parent if Path(r).name == "receipt.json" else Path(r) for r in args.runs]
+    # one run: its own folder; several: the folder they share (a study's)
+    out = args.out or (runs[0] if len(runs) == 1 else Path(os.path.commonpath([r.resolve() for r in runs])))
+    table, files = report(args.runs, out, title=args.title, baseline=args.baseline)
     print(table)
     print("wrote " + ", ".join(map(str, files)))
     return 0
@@ -230,7 +232,8 @@ def _add_train(sub) -> argparse.ArgumentParser:
 def _add_report(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("report", help="tables and plots from run receipts")
     p.add_argument("runs", nargs="+", type=Path, help="run directories (or receipt.json files)")
-    p.add_argument("--out", type=Path, default=None, help="where report.md and the plots go")
+    p.add_argument("--out", type=Path, default=None, help="where report.md and the plots go (default: the run's "
+                   "folder, or the folder several runs share)")
     p.add_argument("--title", default="fp4lab")
     p.add_argument("--baseline", default=None, help="the arm every gap is taken to (default: the plain BF16 arm; "
                    "runs named ARM-seedK are seed K of ARM)")

@@ -178,6 +178,7 @@ def test_cli_train_resume_and_report(token_file, tmp_path, capsys):
     assert Receipt.load(out).final.steps == 4
     assert main(["report", str(out)]) == 0
     assert "| cli | mxfp4 |" in capsys.readouterr().out
+    assert (out / "report.md").is_file() and not (tmp_path / "report.md").exists()  # into the run's folder
     assert main(["train", "--data", str(token_file), "--set", "nonsense=1"]) == 2
     assert "unknown training setting 'nonsense'" in capsys.readouterr().err
     assert main(args + ["--recipe", "bf16", "--resume"]) == 2
