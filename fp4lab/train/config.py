@@ -32,7 +32,8 @@ class TrainConfig:
     recipe_overrides: dict = field(default_factory=dict)
     """Dotted recipe keys to replace, e.g. {"wgrad.hadamard": "random"}."""
     data: str = "stdlib"
-    """A built-in corpus ("python", "stdlib") or a directory / file of token shards."""
+    """A built-in corpus ("python", "stdlib", "code"), a directory / file of token shards, or text to
+    tokenize: a .txt / .md / .jsonl / .py / .rst file or a directory of them (cached by identity)."""
     data_max_bytes: int | None = None
     """Built-in corpora only: use the first files holding this many bytes (CPU runs)."""
     vocab_size: int = 8192

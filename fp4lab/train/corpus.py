@@ -170,13 +170,16 @@ def corpus_files(name: str = "python") -> list[tuple[str, Path]]:
     return files
 
 
+TEXT_SUFFIXES = (".txt", ".md", ".jsonl", ".py", ".rst")
+
+
 def text_files(source: Path) -> list[tuple[str, Path]]:
     """A text / JSONL file or a directory of them -> (label, path), sorted."""
     source = Path(source)
     if source.is_file():
         return [(source.name, source)]
     files = [(p.relative_to(source).as_posix(), p) for p in sorted(source.rglob("*"))
-             if p.is_file() and p.suffix in (".txt", ".md", ".jsonl", ".py", ".rst")]
+             if p.is_file() and p.suffix in TEXT_SUFFIXES]
     if not files:
         raise FileNotFoundError(f"no .txt/.md/.jsonl/.py/.rst files under {source}")
     return files
@@ -427,7 +430,17 @@ def _prefix(files: list[tuple[str, Path]], max_bytes: int | None) -> list[tuple[
 
 def default_dataset(name: str = "python", *, vocab_size: int = 8192, max_bytes: int | None = None) -> Path:
     """The built-in corpus tokenized (built once, then cached by identity) -> its directory."""
-    files = _prefix(corpus_files(name), max_bytes)
+    return _cached(name, _prefix(corpus_files(name), max_bytes), vocab_size)
+
+
+def text_dataset(source: Path, *, vocab_size: int = 8192) -> Path:
+    """A text / JSONL file, or a directory of them (``text_files``), tokenized like the built-in
+    corpora (a BPE of ``vocab_size`` trained on it, then cached by identity) -> its directory."""
+    source = Path(source)
+    return _cached(source.stem or "text", text_files(source), vocab_size)
+
+
+def _cached(name: str, files: list[tuple[str, Path]], vocab_size: int) -> Path:
     digests, filters = _digests(files), Filters()
     ident = _identity(files, digests, filters)["sha256"][:16]
     out = cache_root() / "datasets" / f"{name}-{ident}-v{vocab_size}"

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from ..nn import GPT, ModelConfig, QuantContext, Recipe, load_recipe, model_config, quantize_model
 from .config import TrainConfig, check_types
-from .corpus import CORPORA, default_dataset
+from .corpus import CORPORA, TEXT_SUFFIXES, default_dataset, text_dataset
 from .data import TokenStream, dataset_meta, load_tokens
 from .optim import build_optimizers
 from .receipt import Data, peak_flops
@@ -91,7 +91,16 @@ def _tokens(cfg: TrainConfig) -> tuple[Any, Path, dict]:
         path = default_dataset(cfg.data, vocab_size=cfg.vocab_size, max_bytes=cfg.data_max_bytes)
     elif not path.exists():
         raise FileNotFoundError(f"data {cfg.data!r} is neither a built-in corpus {CORPORA} nor a path")
+    elif _is_text(path):  # tokenized like the built-in corpora, and cached
+        path = text_dataset(path, vocab_size=cfg.vocab_size)
     return load_tokens(path), path, dataset_meta(path) if path.is_dir() else {}
+
+
+def _is_text(path: Path) -> bool:
+    """Text to tokenize: a .txt/.md/.jsonl/.py/.rst file, or a directory of them with no token shards."""
+    if path.is_file():
+        return path.suffix in TEXT_SUFFIXES
+    return not any(p.suffix in (".bin", ".npy") for p in path.iterdir()) and not (path / "meta.json").is_file()
 
 
 def _recipe(cfg: TrainConfig) -> Recipe:

@@ -248,3 +248,16 @@ def test_a_run_folder_is_never_replaced_silently(token_file, tmp_path, capsys):
     capsys.readouterr()
     fresh = train(_cfg(token_file, tmp_path / "new", steps=2), resume=True)
     assert fresh.status == "ok" and "no checkpoint in" in capsys.readouterr().out
+
+
+def test_text_data_is_tokenized_and_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("FP4LAB_CACHE", str(tmp_path / "cache"))
+    text = tmp_path / "texts"  # a directory of text files: each file is a document of the split
+    text.mkdir()
+    for d in range(40):
+        (text / f"doc{d}.txt").write_text("".join(f"def f{i}(x):\n    return x * {i} + {d}\n\n" for i in range(100)))
+    cfg = TrainConfig(out=str(tmp_path / "run"), data=str(text), vocab_size=300, steps=2, batch_size=4, seq_len=32,
+                      eval_every=2, eval_batches=1, progress=False, val_fraction=0.2)
+    receipt = train(cfg)
+    assert receipt.status == "ok" and receipt.data.vocab_size == 300 and receipt.data.tokens > 1000
+    assert "datasets" in receipt.data.path  # the cache, not the .txt
