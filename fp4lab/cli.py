@@ -271,12 +271,19 @@ def _add_study(sub) -> argparse.ArgumentParser:
 
 def _add_convert(sub) -> argparse.ArgumentParser:
     # MXFP4 -> NVFP4 is the one conversion there is, so no target-format option
-    p = sub.add_parser("convert", help="convert a gpt-oss-style MXFP4 safetensors checkpoint to NVFP4")
-    p.add_argument("src", type=Path)
-    p.add_argument("dst", type=Path)
-    p.add_argument("--layout", choices=["modelopt", "compressed-tensors"], default="modelopt")
+    p = sub.add_parser("convert", help="convert a gpt-oss-style MXFP4 safetensors checkpoint to NVFP4",
+                       description="Converts every MXFP4 tensor pair <base>_blocks (uint8 [..., out, in/32, 16]) "
+                       "and <base>_scales (uint8 UE8M0 [..., out, in/32]) of the .safetensors file SRC to NVFP4 "
+                       "in the .safetensors file DST (with the layout's config file beside it); other tensors "
+                       "are copied. Formats: "
+                       "docs/numerics.md \"Checkpoint layouts\" and \"MXFP4 -> NVFP4 conversion\".",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("src", type=Path, help="the MXFP4 .safetensors file")
+    p.add_argument("dst", type=Path, help="the NVFP4 .safetensors file to write")
+    p.add_argument("--layout", choices=["modelopt", "compressed-tensors"], default="modelopt",
+                   help="the NVFP4 tensor names and scale conventions written")
     p.add_argument("--method", choices=["requant", "verbatim-mid", "verbatim-search", "hybrid", "best"],
-                   default="best")
+                   default="best", help="how each block's scale is chosen (best: the smallest exact MSE of the candidates)")
     p.add_argument("--verify", action="store_true", help="read the output back and check every tensor")
     p.set_defaults(handler=_convert)
     return p

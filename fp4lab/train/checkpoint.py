@@ -50,6 +50,13 @@ def _fsync_dir(path: Path) -> None:
             os.fsync(handle.fileno())
 
 
+def _as_umask_allows(path: Path) -> None:
+    """Give ``path`` the permissions a plain new file gets (0666 less the umask), like its siblings."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
 def save_checkpoint(path: Path, model: nn.Module, optimizers: list[torch.optim.Optimizer], *, step: int,
                     identity: dict[str, Any], extra: dict[str, Any]) -> Path:
     """Write the checkpoint directory ``path`` atomically (see the module doc)."""
@@ -59,6 +66,7 @@ def save_checkpoint(path: Path, model: nn.Module, optimizers: list[torch.optim.O
     tmp.mkdir(parents=True)
     tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     save_file(tensors, str(tmp / "model.safetensors"))
+    _as_umask_allows(tmp / "model.safetensors")  # safetensors writes through a private (0600) temp file
     rng = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
     torch.save({"optimizers": [o.state_dict() for o in optimizers], "rng": rng}, tmp / "optim.pt")
     state = {"step": step, "identity": identity, **extra,

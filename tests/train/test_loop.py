@@ -261,3 +261,14 @@ def test_text_data_is_tokenized_and_cached(tmp_path, monkeypatch):
     receipt = train(cfg)
     assert receipt.status == "ok" and receipt.data.vocab_size == 300 and receipt.data.tokens > 1000
     assert "datasets" in receipt.data.path  # the cache, not the .txt
+
+
+def test_checkpoint_files_get_the_permissions_of_plain_files(token_file, tmp_path):
+    import os
+    umask = os.umask(0o022)
+    try:
+        train(_cfg(token_file, tmp_path / "run", steps=2))
+    finally:
+        os.umask(umask)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "run" / "checkpoint").iterdir()}
+    assert modes["model.safetensors"] == 0o644 and set(modes.values()) == {0o644}
