@@ -5,10 +5,9 @@ and sets its ``handler`` (parsed arguments -> exit code) as a default; ``main`` 
 then ``args.handler(args)``. This module's own subcommands (inspect, demo, train, report, study,
 convert) have theirs below; generate's is ``generate.add_parser``, verify's is
 ``verify.cli.add_parser`` (its handler ``verify.cli.run``). The errors a user's input
-causes (a bad setting, a missing or corrupt file, a checkpoint of another run: ValueError,
-FileNotFoundError, CheckpointError, and RunLockedError for a second writer of a run folder) print as
-one line with exit code 2; anything else is a bug,
-and its traceback surfaces.
+causes (a bad setting, a missing or corrupt file, a checkpoint of another run, a second writer
+of a run folder: ValueError, FileNotFoundError, CheckpointError, RunLockedError) print as one
+line with exit code 2; anything else is a bug, and its traceback surfaces.
 """
 
 from __future__ import annotations
@@ -302,8 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.handler(args)
-    except (ValueError, FileNotFoundError, CheckpointError, RunLockedError) as exc:  # the user's input, or a
-        # second writer of a run folder; a bug's traceback shows
+    except (ValueError, FileNotFoundError, CheckpointError, RunLockedError) as exc:  # see the module doc
         print(f"fp4lab {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

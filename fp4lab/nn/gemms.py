@@ -17,9 +17,9 @@ dithered weight is dithered once per call and both GEMMs quantize it. For wgrad 
 is zero-padded to a multiple of 32 (zero rows add nothing to dy^T x); wgrad is one GEMM per
 group, its contraction running over the group's own rows.
 
-The seam ``_multiply`` takes one operand pair per group: pairs of FP4 operands go to
-kernels.values_mm (a dense layer) or kernels.grouped_values_mm (all experts in one launch on the
-Triton backend); anything else runs quant.run_gemm per group. Groups without rows are skipped
+The seam ``_multiply`` takes one operand pair per group: a grouped projection's FP4 pairs go to
+kernels.grouped_values_mm (all experts in one launch on the Triton backend); anything else runs
+quant.run_gemm per pair (kernels.values_mm for two FP4 operands). Groups without rows are skipped
 (their weight gradient is zero).
 
 ``QuantContext`` is the small mutable state a trainer shares with every FP4 layer of a model:
@@ -127,10 +127,8 @@ def _multiply(a: list, a_axis: int, b: list, b_axis: int, grouped: bool, shape: 
     """The seam: rows of pair g = A_g @ B_g^T, stacked -> ``shape`` in like's dtype."""
     if not a:
         return like.new_zeros(shape)
-    if all(isinstance(v, BlockValues) for v in a + b):
-        if grouped:
-            return kernels.grouped_values_mm(a, b, out_dtype=gemm_dtype(like.dtype)).to(like.dtype)
-        return kernels.values_mm(a[0], b[0], out_dtype=gemm_dtype(like.dtype)).to(like.dtype)
+    if grouped and all(isinstance(v, BlockValues) for v in a + b):  # all experts in one launch
+        return kernels.grouped_values_mm(a, b, out_dtype=gemm_dtype(like.dtype)).to(like.dtype)
     out = [run_gemm(va, a_axis, vb, b_axis, like.dtype) for va, vb in zip(a, b)]
     return out[0] if len(out) == 1 else torch.cat(out)
 

@@ -116,18 +116,15 @@ def quantize_operand(t: torch.Tensor, axis: int, op: Operand, *, seed: int, rota
         t = hadamard_transform(t, axis=axis, size=rotation.size, signs=rotation.signs, seed=rotation.seed)
     if not op.quantized:
         return t
-    as_codes = codes or stats is not None
-    q = _quantize(t, axis, op, seed=seed, rotation=rotation if fused else None, codes=as_codes)
+    q = _quantize(t, axis, op, seed=seed, rotation=rotation if fused else None, codes=codes or stats is not None)
     if stats is not None:
         stats[key] = quant_stats(t, q)
-    return q if codes or not as_codes else kernels.to_values(q)
+    return q if codes or stats is None else kernels.to_values(q)  # statistics needed the codes first
 
 
-def _matrix(v: torch.Tensor | BlockValues, axis: int, length: int) -> torch.Tensor:
-    """An operand as a [rows, length] matrix (FP4 dequantized to fp32, its padding cropped)."""
-    if isinstance(v, BlockValues):
-        return v.dense()[:, :length]
-    return v if axis == 1 else v.T
+def _oriented(t: torch.Tensor, axis: int) -> torch.Tensor:
+    """A high-precision operand as a [rows, L] matrix."""
+    return t if axis == 1 else t.T
 
 
 def gemm_dtype(out_dtype: torch.dtype) -> torch.dtype:
@@ -139,12 +136,15 @@ def gemm_dtype(out_dtype: torch.dtype) -> torch.dtype:
 def run_gemm(a: torch.Tensor | BlockValues, a_axis: int, b: torch.Tensor | BlockValues, b_axis: int,
              out_dtype: torch.dtype) -> torch.Tensor:
     """C = A @ B^T: [rows_a, rows_b] ``out_dtype`` from operands as quantize_operand returns them."""
-    fp4 = (isinstance(a, BlockValues), isinstance(b, BlockValues))
-    if all(fp4):
+    if isinstance(a, BlockValues) and isinstance(b, BlockValues):
         return kernels.values_mm(a, b, out_dtype=gemm_dtype(out_dtype)).to(out_dtype)
-    if any(fp4):  # one side kept BF16: its length is the true contraction length
-        dense = b if fp4[0] else a
-        length = dense.shape[1 if (b_axis if fp4[0] else a_axis) == 1 else 0]
-        return (_matrix(a, a_axis, length).to(torch.float32) @ _matrix(b, b_axis, length).to(torch.float32).T
-                ).to(out_dtype)
-    return _matrix(a, a_axis, 0) @ _matrix(b, b_axis, 0).T
+    if not isinstance(a, BlockValues) and not isinstance(b, BlockValues):
+        return _oriented(a, a_axis) @ _oriented(b, b_axis).T
+    # one side kept BF16: the FP4 side dequantized to fp32, cropped to the BF16 side's true length
+    if isinstance(a, BlockValues):
+        b_m = _oriented(b, b_axis)
+        a_m = a.dense()[:, : b_m.shape[1]]
+    else:
+        a_m = _oriented(a, a_axis)
+        b_m = b.dense()[:, : a_m.shape[1]]
+    return (a_m.to(torch.float32) @ b_m.to(torch.float32).T).to(out_dtype)

@@ -157,6 +157,7 @@ def _claim_folder(out: Path, *, resume: bool, overwrite: bool) -> None:
     if resume and not held:
         print(f"note: no checkpoint in {out}: starting from step 0", flush=True)
 
+
 def _resume(run: Run) -> RunState:
     """The checkpoint's model, optimizer and RNG states loaded -> its RunState (a fresh one if
     the run has no checkpoint yet)."""
