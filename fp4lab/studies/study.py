@@ -40,7 +40,8 @@ from ..train.checkpoint import CheckpointError
 from ..train.corpus import CORPORA, default_dataset
 from ..train.loop import TrainConfig, train
 from ..train.receipt import Receipt
-from ..train.report import arm_table, final_loss, gap_table, load_receipts, paired_gap, plots, runs_by_arm
+from ..train.report import (arm_table, final_loss, gap_table, load_receipts, paired_gap, plots, provenance,
+                            runs_by_arm)
 from ..train.stats import Interval, interval
 
 SIZES = ("dense", "deep", "moe")
@@ -299,8 +300,8 @@ def _scale_line(runs: dict[str, dict[int, Receipt]]) -> str:
     seeds = sorted({s for seeds in runs.values() for s in seeds})
     return (f"Scale: {model['depth']} blocks, D = {model['dim']}{moe}, {first.params:,} parameters; "
             f"{first.final.steps} steps of {cfg['batch_size']} x {cfg['seq_len']} = {tokens:,} tokens{epochs}; "
-            f"data {data.source} ({data.tokens:,} tokens){val}; device {first.device}; "
-            f"git {first.git.sha[:12]}; seeds {seeds}.")
+            f"data {data.source} ({data.tokens:,} tokens){val}; "
+            f"{provenance([r for arm in runs.values() for r in arm.values()])}; seeds {seeds}.")
 
 
 def write_report(study: Study, out: Path) -> tuple[str, list[Path]]:

@@ -39,6 +39,14 @@ def load_receipts(run_dirs: list[Path]) -> list[Receipt]:
     return [Receipt.load(run) for run in map(Path, run_dirs)]
 
 
+def provenance(receipts: list[Receipt]) -> str:
+    """Where the runs ran: every distinct device and git commit, in order of first appearance
+    (a study's arms may come from several campaigns)."""
+    devices = dict.fromkeys(r.device for r in receipts)
+    commits = dict.fromkeys(r.git.sha[:12] for r in receipts)
+    return f"device {', '.join(devices)}; git {', '.join(commits)}"
+
+
 def arm_name(receipt: Receipt) -> str:
     """The run's arm: its name without a trailing -seed<k>."""
     return _SEED.sub("", receipt.name)
@@ -232,8 +240,8 @@ def report(run_dirs: list[Path], out_dir: Path, *, title: str = "fp4lab",
     baselines = {arm: base for arm in runs}
     env = receipts[0]
     split = env.data.split
-    header = (f"# {title}\n\n{len(receipts)} runs; device {env.device}; torch {env.versions['torch']}; "
-              f"git {env.git.sha[:12]}; data {env.data.source} "
+    header = (f"# {title}\n\n{len(receipts)} runs; {provenance(receipts)}; torch {env.versions['torch']}; "
+              f"data {env.data.source} "
               f"({env.data.tokens:,} tokens, sha256 {str(env.data.identity.get('sha256'))[:12]}"
               + (f"; validation: {split['val_docs']} held-out documents, {split['val_tokens']:,} tokens" if split
                  else "") + ")\n\n"

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from fp4lab.train.report import arm_table, gap_table, paired_gap, report, runs_by_arm
+from fp4lab.train.receipt import Receipt
+from fp4lab.train.report import arm_table, gap_table, paired_gap, provenance, report, runs_by_arm
 from tests.train.receipts import make_receipt as receipt
 from tests.train.receipts import receipt_dict
 
@@ -55,3 +56,12 @@ def test_report_writes_intervals_and_band_plots(tmp_path):
     assert "| nvfp4 | nvfp4 | 3 |" in text and "+0.0300 [+0.0052, +0.0548]" in text and "| worse |" in text
     with pytest.raises(ValueError, match="baseline arm 'fp8'"):
         report(dirs, tmp_path / "out", baseline="fp8")
+
+
+def test_provenance_names_every_device_and_commit_once():
+    # a study's arms can come from campaigns on different commits (and machines): none may hide
+    runs = [receipt_dict(f"bf16-seed{s}", seed=s) for s in (0, 1)] + [receipt_dict("nvfp4-seed0", "nvfp4")]
+    runs[2]["git"]["sha"] = "ab" * 20
+    runs[2]["device"] = "NVIDIA H200"
+    text = provenance([Receipt.from_dict(r) for r in runs])
+    assert text == f"device cpu, NVIDIA H200; git {'0' * 12}, {'ab' * 6}"
