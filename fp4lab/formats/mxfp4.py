@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import torch
 
-from .blocks import block_amax, blocks_of, prepare, stochastic_bytes
+from .blocks import block_amax, blocks_of, check_input, prepare, stochastic_bytes
 from .codes import UE8M0_NAN, ceil_log2, decode_ue8m0, encode_e2m1, encode_ue8m0, floor_log2, pack_nibbles
+from .hadamard import hadamard_transform
 from .types import Format, FP4Tensor, MXScaleMode, Rounding
 
 MX_BLOCK = 32
@@ -50,14 +51,20 @@ def mx_exponent(amax: torch.Tensor, mode: MXScaleMode) -> torch.Tensor:
 
 def quantize_mxfp4(x: torch.Tensor, *, axis: int = -1, mode: str | MXScaleMode = MXScaleMode.FLOOR,
                    rounding: str | Rounding = Rounding.RTNE,
-                   seed: int | torch.Generator | None = None, pad: bool = False) -> FP4Tensor:
+                   seed: int | torch.Generator | None = None, pad: bool = False,
+                   hadamard: str | None = None, hadamard_seed: int | torch.Generator | None = None) -> FP4Tensor:
     """x: [...] float32/bf16/fp16 -> FP4Tensor with codes [*lead, L/2], uint8 scales [*lead, L/32].
 
     axis: the contraction axis (stored last). mode: "floor" | "ceil" | "even" | "rceil".
     rounding / seed: as in quantize_nvfp4. pad: zero-pad the quantized axis to 32.
+    hadamard / hadamard_seed: rotate x first by the 32-point transform, one block at a time
+    (signs "none" or "random" from the seed), rounded to x's dtype, as quantize_nvfp4 does at 16.
     """
     mode = MXScaleMode.parse(mode)
     rounding = Rounding.parse(rounding)
+    if hadamard is not None:
+        check_input(x, axis, (1, MX_BLOCK), pad)  # report the caller's shape before the transform's
+        x = hadamard_transform(x, axis=axis, size=MX_BLOCK, signs=hadamard, seed=hadamard_seed)
     xm, axis = prepare(x, axis, (1, MX_BLOCK), pad)
     xb = blocks_of(xm, MX_BLOCK)  # [*lead, nb, 32]
     b_amax, bad = block_amax(xb, 1)

@@ -14,8 +14,8 @@ Adding a format or a variant is one entry here, its reference quantizer, its Tri
     scale_one_byte  0x38 (1.0)                 127 (2^0)
     tensor_scale    FP32 S_dec                 none
     quantize        nvfp4.quantize_nvfp4       mxfp4.quantize_mxfp4
-    knobs           block, profile, global_    mode
-                    amax, hadamard(_seed)
+    knobs           block, profile, global_    mode, hadamard(_seed)
+                    amax, hadamard(_seed)      (32-point)
 
 Public: ``FormatSpec``, ``FORMAT_SPECS``, ``spec_of``.
 """
@@ -71,7 +71,7 @@ FORMAT_SPECS: dict[Format, FormatSpec] = {
     Format.MXFP4: FormatSpec(format=Format.MXFP4, block_len=MX_BLOCK, blocks=((1, MX_BLOCK),),
                              scale_dtype=torch.uint8, decode_scale=decode_ue8m0, scale_nan_byte=UE8M0_NAN,
                              scale_one_byte=127, tensor_scale=False, quantize=quantize_mxfp4,
-                             knobs=("mode",)),
+                             knobs=("mode", "hadamard", "hadamard_seed")),
 }
 
 

@@ -21,6 +21,7 @@ Public: ``quantize_nvfp4``, ``quantize_mxfp4`` (same signatures as fp4lab.format
 from __future__ import annotations
 
 import math
+import struct
 
 import torch
 import triton
@@ -43,12 +44,13 @@ MX_FLOOR, MX_CEIL, MX_EVEN, MX_RCEIL = tl.constexpr(2), tl.constexpr(3), tl.cons
 NV_RULES = {NVFP4Profile.TE: NV_TE.value, NVFP4Profile.TORCHAO: NV_TORCHAO.value}
 MX_RULES = {MXScaleMode.FLOOR: MX_FLOOR.value, MXScaleMode.CEIL: MX_CEIL.value, MXScaleMode.EVEN: MX_EVEN.value,
             MXScaleMode.RCEIL: MX_RCEIL.value}
-# HADAMARD: no transform, or the 16-point transform with formats.hadamard's sign rule
+# HADAMARD: no transform, or the block-sized transform (16 or 32 points) with formats.hadamard's sign rule
 NO_ROTATION, SIGNS_NONE, SIGNS_TE, SIGNS_RANDOM = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2), tl.constexpr(3)
 HADAMARD_RULES = {HadamardSigns.NONE: SIGNS_NONE.value, HadamardSigns.TE: SIGNS_TE.value,
                   HadamardSigns.RANDOM: SIGNS_RANDOM.value}
 TE_NEGATIVE = tl.constexpr(sum(1 << j for j, s in enumerate(TE_SIGNS) if s < 0))
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
+INV_SQRT32 = tl.constexpr(struct.unpack("f", struct.pack("f", 1 / math.sqrt(32)))[0])  # fp32(1/sqrt(32)), exactly
 # (BR, BC, warps) per read direction (benchmarks/sweep_quantize.py on an H100): rows of a row-major
 # tile, or a transposed read (axis 0 of a contiguous matrix)
 TILES = {"rows": (32, 128, 4), "transposed": (128, 32, 4)}
@@ -146,18 +148,34 @@ def _butterfly16(v, BR: tl.constexpr, NB: tl.constexpr):
 
 
 @triton.jit
-def _hadamard16(x, seed, RULE: tl.constexpr, ROUND_BF16: tl.constexpr, BR: tl.constexpr, NB: tl.constexpr):
-    """x: [BR, NB, 16] fp32 -> each 16-run times diag(signs) H16 / 4, in formats.hadamard's butterfly
-    order (so the fp32 sums are the reference's), rounded to bf16 when the input was bf16."""
-    j = tl.arange(0, 16)
+def _butterfly32(v, BR: tl.constexpr, NB: tl.constexpr):
+    """v: [BR, NB, 32] -> each 32-run times H32 (unscaled), in formats.hadamard._butterfly's order:
+    its first four stages work inside each half (the 16-point butterfly), the fifth adds and
+    subtracts the halves."""
+    a, b = tl.split(tl.permute(tl.reshape(v, (BR, NB, 2, 16)), (0, 1, 3, 2)))
+    a, b = _butterfly16(a, BR, NB), _butterfly16(b, BR, NB)
+    return tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), (BR, NB, 32))
+
+
+@triton.jit
+def _hadamard(x, seed, RULE: tl.constexpr, ROUND_BF16: tl.constexpr, BR: tl.constexpr, NB: tl.constexpr,
+              N: tl.constexpr):
+    """x: [BR, NB, N] fp32 (N = 16 or 32) -> each N-run times diag(signs) H_N / sqrt(N), in
+    formats.hadamard's butterfly order (so the fp32 sums are the reference's), rounded to bf16
+    when the input was bf16. TE's signs exist for N = 16 only (the launcher checks)."""
+    j = tl.arange(0, N)
     if RULE == SIGNS_TE:
         negative = (TE_NEGATIVE >> j) & 1
-    elif RULE == SIGNS_RANDOM:  # random signs: bit 0 of Philox bytes 0..15 of hadamard_seed (rng.random_bytes)
-        negative = tl.reshape(philox_bytes(seed, tl.zeros((1, 1), dtype=tl.int64)), (16,)) & 1
+    elif RULE == SIGNS_RANDOM:  # random signs: bit 0 of Philox bytes 0..N-1 of hadamard_seed (rng.random_bytes)
+        groups = tl.arange(0, N // 16).to(tl.int64)[None, :]
+        negative = tl.reshape(philox_bytes(seed, groups), (N,)) & 1
     else:
         negative = j * 0
     v = x * (1 - 2 * negative).to(tl.float32)[None, None, :]
-    v = _butterfly16(v, BR, NB) * 0.25
+    if N == 16:
+        v = _butterfly16(v, BR, NB) * 0.25
+    else:
+        v = _butterfly32(v, BR, NB) * INV_SQRT32
     if ROUND_BF16:
         v = round_to_bf16(v)
     return v
@@ -202,7 +220,7 @@ def _fp4_quantize_kernel(x_ptr, codes_ptr, scales_ptr, amax_ptr, s_dec_ptr, seed
         x = tl.load(x_ptr + rows[:, None] * stride_r + cols[None, :] * stride_c, mask=inside, other=0.0)
     x = tl.reshape(widen(x, BF16_BITS), (BR, NB, BLOCK))
     if HADAMARD != NO_ROTATION:
-        x = _hadamard16(x, hadamard_seed, HADAMARD, BF16_BITS, BR, NB)
+        x = _hadamard(x, hadamard_seed, HADAMARD, BF16_BITS, BR, NB, BLOCK)
     if AMAX_ONLY:  # the first pass of a rotated quantize: the rotated tensor's finite amax
         bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
         tile_max = tl.max(tl.max(tl.max(tl.where(bits < 0x7F800000, bits, 0), axis=2), axis=1), axis=0)
@@ -350,19 +368,13 @@ def _nvfp4(x: torch.Tensor, out_values: bool, *, axis: int = -1, block: int | tu
            hadamard_seed: int | torch.Generator | None = None) -> FP4Tensor | BlockValues:
     block2, rounding, profile = _nvfp4_block(block), Rounding.parse(rounding), NVFP4Profile.parse(profile)
     check_input(x, axis, block2, pad)
-    rotation, h_seed = NO_ROTATION.value, 0
-    if hadamard is not None:
-        signs = HadamardSigns.parse(hadamard)
-        rotation = HADAMARD_RULES[signs]
-        h_seed = _kernel_seed(hadamard_seed) if signs is HadamardSigns.RANDOM else 0
-        if x.dtype not in (torch.float32, torch.bfloat16) or x.shape[axis] % 16:
-            from .. import formats  # fp16 rounding / ragged axes: the reference's path and errors
-            from . import _warn_once
-            _warn_once("fp4lab.kernels: the fused Hadamard quantize covers float32/bfloat16 inputs whose "
-                       "block axis is a multiple of 16; this call runs the (slower) reference")
-            q = formats.quantize_nvfp4(x, axis=axis, block=block2, rounding=rounding, seed=seed, profile=profile,
-                                       global_amax=global_amax, pad=pad, hadamard=signs, hadamard_seed=hadamard_seed)
-            return BlockValues.of(q) if out_values else q
+    fused = _fused_rotation(x, axis, 16, hadamard, hadamard_seed)
+    if fused is None:
+        from .. import formats
+        q = formats.quantize_nvfp4(x, axis=axis, block=block2, rounding=rounding, seed=seed, profile=profile,
+                                   global_amax=global_amax, pad=pad, hadamard=hadamard, hadamard_seed=hadamard_seed)
+        return BlockValues.of(q) if out_values else q
+    rotation, h_seed = fused
     if global_amax is None and rotation != NO_ROTATION.value:
         amax = torch.zeros((), dtype=torch.int32, device=x.device)
         _launch(x, axis, block2, pad, NV_TE.value, amax, None, False, 0, rotation, h_seed, amax_only=True)
@@ -387,24 +399,55 @@ def _nvfp4(x: torch.Tensor, out_values: bool, *, axis: int = -1, block: int | tu
 
 def quantize_mxfp4(x: torch.Tensor, *, axis: int = -1, mode: str | MXScaleMode = MXScaleMode.FLOOR,
                    rounding: str | Rounding = Rounding.RTNE, seed: int | torch.Generator | None = None,
-                   pad: bool = False) -> FP4Tensor:
+                   pad: bool = False, hadamard: str | HadamardSigns | None = None,
+                   hadamard_seed: int | torch.Generator | None = None) -> FP4Tensor:
     """Triton twin of fp4lab.formats.quantize_mxfp4 (same arguments, same bytes)."""
+    return _mxfp4(x, False, axis=axis, mode=mode, rounding=rounding, seed=seed, pad=pad, hadamard=hadamard,
+                  hadamard_seed=hadamard_seed)
+
+
+def mxfp4_block_values(x: torch.Tensor, **kwargs) -> BlockValues:
+    """quantize_mxfp4(x, **kwargs) decoded to its block values (bf16 code * 2^e) in the same pass."""
+    return _mxfp4(x, True, **kwargs)
+
+
+def _mxfp4(x: torch.Tensor, out_values: bool, *, axis: int = -1, mode: str | MXScaleMode = MXScaleMode.FLOOR,
+           rounding: str | Rounding = Rounding.RTNE, seed: int | torch.Generator | None = None,
+           pad: bool = False, hadamard: str | HadamardSigns | None = None,
+           hadamard_seed: int | torch.Generator | None = None) -> FP4Tensor | BlockValues:
     mode, rounding = MXScaleMode.parse(mode), Rounding.parse(rounding)
+    check_input(x, axis, (1, MX_BLOCK), pad)
+    fused = _fused_rotation(x, axis, MX_BLOCK, hadamard, hadamard_seed)
+    if fused is None:
+        from .. import formats
+        q = formats.quantize_mxfp4(x, axis=axis, mode=mode, rounding=rounding, seed=seed, pad=pad,
+                                   hadamard=hadamard, hadamard_seed=hadamard_seed)
+        return BlockValues.of(q) if out_values else q
     codes, scales, axis = _launch(x, axis, (1, MX_BLOCK), pad, MX_RULES[mode], None, None,
-                                  rounding is Rounding.STOCHASTIC, _seed(rounding, seed))
+                                  rounding is Rounding.STOCHASTIC, _seed(rounding, seed), *fused,
+                                  out_values=out_values)
+    if out_values:
+        return BlockValues(codes.view(torch.bfloat16).reshape(-1, codes.shape[-1]), None, _logical_rows(x, axis),
+                           Format.MXFP4)
     return FP4Tensor(codes=codes, scales=scales, tensor_scale=None, shape=x.shape, axis=axis,
                      block=(1, MX_BLOCK), format=Format.MXFP4, rounding=rounding, mx_mode=mode)
 
 
-def mxfp4_block_values(x: torch.Tensor, *, axis: int = -1, mode: str | MXScaleMode = MXScaleMode.FLOOR,
-                       rounding: str | Rounding = Rounding.RTNE, seed: int | torch.Generator | None = None,
-                       pad: bool = False) -> BlockValues:
-    """quantize_mxfp4(x, ...) decoded to its block values (bf16 code * 2^e) in the same pass."""
-    mode, rounding = MXScaleMode.parse(mode), Rounding.parse(rounding)
-    values, _, axis = _launch(x, axis, (1, MX_BLOCK), pad, MX_RULES[mode], None, None,
-                              rounding is Rounding.STOCHASTIC, _seed(rounding, seed), out_values=True)
-    return BlockValues(values.view(torch.bfloat16).reshape(-1, values.shape[-1]), None, _logical_rows(x, axis),
-                       Format.MXFP4)
+def _fused_rotation(x: torch.Tensor, axis: int, size: int, hadamard: str | HadamardSigns | None,
+                    hadamard_seed: int | torch.Generator | None) -> tuple[int, int] | None:
+    """The kernel's (HADAMARD rule, seed) for a requested rotation of ``size`` points; None where
+    the kernel does not take it (fp16 rounding, an axis ``size`` does not divide, TE's 16 signs
+    at 32 points) and the reference runs, with its results or its errors."""
+    if hadamard is None:
+        return NO_ROTATION.value, 0
+    signs = HadamardSigns.parse(hadamard)
+    if x.dtype not in (torch.float32, torch.bfloat16) or x.shape[axis] % size or (
+            signs is HadamardSigns.TE and size != len(TE_SIGNS)):
+        from . import _warn_once
+        _warn_once("fp4lab.kernels: the fused Hadamard quantize covers float32/bfloat16 inputs whose block axis "
+                   "is a multiple of the rotation size; this call runs the (slower) reference")
+        return None
+    return HADAMARD_RULES[signs], (_kernel_seed(hadamard_seed) if signs is HadamardSigns.RANDOM else 0)
 
 
 def _logical_rows(x: torch.Tensor, axis: int) -> int:

@@ -109,7 +109,7 @@ def quantize_operand(t: torch.Tensor, axis: int, op: Operand, *, seed: int, rota
     """t: [R, L] (axis 1) or [L, R] (axis 0) -> t rotated (if asked) and, unless op is BF16,
     quantized along ``axis``: BlockValues (the GEMM operand), or with ``codes`` the FP4Tensor.
     With ``stats``, records quant_stats of what was quantized at ``key``."""
-    # the quantizer rotates by itself when its format takes the rotation (NVFP4 at size 16)
+    # the quantizer rotates by itself when the rotation is its block size (NVFP4 16, MXFP4 32)
     fused = (rotation is not None and op.quantized and "hadamard" in op.format.spec.knobs
              and rotation.size == op.format.spec.block_len and stats is None and not op.dither)
     if rotation is not None and not fused:

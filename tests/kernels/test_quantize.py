@@ -68,6 +68,30 @@ def test_mxfp4_matches_reference(mode, kwargs):
                 formats.quantize_mxfp4(x, mode=mode, **kwargs))
 
 
+MXFP4_ROTATIONS = [dict(hadamard="none"), dict(axis=0, hadamard="none", rounding="stochastic", seed=9),
+                   dict(hadamard="random", hadamard_seed=31), dict(axis=0, hadamard="random", hadamard_seed=2**40 + 1)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kwargs", MXFP4_ROTATIONS, ids=str)
+def test_mxfp4_fused_32_point_hadamard_matches_reference(kwargs, dtype):
+    # the 32-point butterfly in the kernel sums in the reference's order: the same bytes, not
+    # merely close ones (the rotated values before rounding to bf16 are compared through them)
+    x = hard_input((64, 192), 12, dtype)
+    assert_same(kernels.quantize_mxfp4(x.to(DEVICE), backend="triton", **kwargs),
+                formats.quantize_mxfp4(x, **kwargs))
+    assert_same_values(kernels.quantize_values(x.to(DEVICE), "mxfp4", backend="triton", **kwargs),
+                       kernels.BlockValues.of(formats.quantize_mxfp4(x, **kwargs)))
+
+
+def test_mxfp4_hadamard_is_rotate_then_quantize():
+    x = hard_input((32, 64), 13, torch.bfloat16)
+    rotated = formats.hadamard_transform(x, size=32, signs="random", seed=4)
+    assert_same(formats.quantize_mxfp4(x, hadamard="random", hadamard_seed=4), formats.quantize_mxfp4(rotated))
+    with pytest.raises(ValueError, match="TE's sign vector"):
+        kernels.quantize_mxfp4(x.to(DEVICE), hadamard="te", backend="triton")
+
+
 @settings(max_examples=15, deadline=None)
 @given(lead=st.lists(st.integers(0, 5), min_size=0, max_size=2), length=st.integers(1, 70),
        seed=st.integers(0, 1000), fmt=st.sampled_from(["nvfp4", "nvfp4-2d", "mxfp4"]),

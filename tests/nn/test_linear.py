@@ -204,10 +204,12 @@ def test_mismatched_shapes_are_rejected():
         fp4_linear(torch.randn(4, 32), torch.randn(8, 48), None, nvfp4())
 
 
+@pytest.mark.parametrize("name", ["nvfp4", "mxfp4_hadamard"])
 @pytest.mark.parametrize("n,k", [(16, 32), (20, 40)])
-def test_triton_path_gives_the_reference_bytes(n, k, monkeypatch):
+def test_triton_path_gives_the_reference_bytes(n, k, name, monkeypatch):
     """Under TRITON_INTERPRET=1 (CI) or on CUDA: the Triton quantizers feed the same operands; with
-    a ragged weight (20 x 40: padded 16x16 tiles) holding an Inf, dgrad's reused values too."""
+    a ragged weight (20 x 40: padded 16x16 tiles) holding an Inf, dgrad's reused values too; with
+    MXFP4, wgrad's operands rotated in the quantize pass."""
     pytest.importorskip("triton")
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(4)
@@ -220,16 +222,18 @@ def test_triton_path_gives_the_reference_bytes(n, k, monkeypatch):
         monkeypatch.setenv("FP4LAB_BACKEND", backend)
         rec = _Recorder(monkeypatch)
         wp = w.clone().requires_grad_()
-        fp4_linear(x.clone().requires_grad_(), wp, None, nvfp4(), name="l", context=QuantContext(tick=1)).backward(dy)
+        fp4_linear(x.clone().requires_grad_(), wp, None, preset(name), name="l",
+                   context=QuantContext(tick=1)).backward(dy)
         seen[backend] = dict(rec.seen)
         monkeypatch.undo()  # one spy at a time
-    # on both backends dgrad multiplies fprop's weight values transposed
-    assert set(seen["reference"]) == set(seen["triton"]) and ("dgrad", "b") not in seen["triton"]
+    # on both backends NVIDIA's recipe lets dgrad multiply fprop's weight values transposed
+    assert set(seen["reference"]) == set(seen["triton"])
+    assert (("dgrad", "b") not in seen["triton"]) == (name == "nvfp4")
     for key, (_, _, q) in seen["reference"].items():
         _same(seen["triton"][key][2], q)
 
 
-@pytest.mark.parametrize("name", ["nvfp4", "mxfp4", "nvfp4_dither"])
+@pytest.mark.parametrize("name", ["nvfp4", "mxfp4", "mxfp4_hadamard", "nvfp4_dither"])
 def test_triton_path_multiplies_the_same_operands(name, monkeypatch):
     """On the Triton backend (the interpreter here) GEMM operands are quantized straight to
     BlockValues by the kernel: the same function as the reference path up to fp32 summation
