@@ -6,8 +6,9 @@ then ``args.handler(args)``. This module's own subcommands (inspect, demo, train
 convert) have theirs below; generate's is ``generate.add_parser``, verify's is
 ``verify.cli.add_parser`` (its handler ``verify.cli.run``). The errors a user's input
 causes (a bad setting, a missing or corrupt file, a checkpoint of another run, a second writer
-of a run folder: ValueError, FileNotFoundError, CheckpointError, RunLockedError) print as one
-line with exit code 2; anything else is a bug, and its traceback surfaces.
+of a run folder: ValueError, CheckpointError, RunLockedError) and those of the file system
+(OSError: a missing file, no permission, a full disk) print as one line with exit code 2;
+anything else is a bug, and its traceback surfaces.
 """
 
 from __future__ import annotations
@@ -139,7 +140,7 @@ def _settings(pairs: list[str]) -> dict:
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep:
-            raise ValueError(f"--set takes key=value, got {pair!r}")
+            raise ValueError(f"--set: expected key=value, got {pair!r}")
         out[key.strip()] = _value(value.strip())
     return out
 
@@ -151,14 +152,22 @@ def _train(args: argparse.Namespace) -> int:
     from .train.loop import TrainConfig, train
     from .train.report import gap_table
 
-    changes = {}
-    if args.config:
-        changes.update(dotted_keys(tomllib.loads(args.config.read_text())))
-    for key in ("model", "recipe", "out", "data", "steps"):
-        if getattr(args, key) is not None:
-            changes[key] = getattr(args, key)
-    changes.update(_settings(args.set))
-    cfg = TrainConfig().with_overrides(changes)
+    cfg = TrainConfig()
+    if args.config:  # the file first, then the flags and --set over it; an error names its source
+        try:
+            cfg = cfg.with_overrides(dotted_keys(tomllib.loads(args.config.read_text())))
+        except tomllib.TOMLDecodeError as err:
+            raise ValueError(f"config file {args.config}: not valid TOML: {err}") from None
+        except ValueError as err:
+            raise ValueError(f"config file {args.config}: {err}") from None
+    flags = {key: getattr(args, key) for key in ("model", "recipe", "out", "data", "steps")
+             if getattr(args, key) is not None}
+    cfg = cfg.with_overrides(flags)
+    settings = _settings(args.set)
+    try:
+        cfg = cfg.with_overrides(settings)
+    except ValueError as err:
+        raise ValueError(f"--set: {err}") from None
     receipt = train(cfg, resume=args.resume, overwrite=args.overwrite)
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, one rank reports
         print(gap_table([receipt]))
@@ -301,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.handler(args)
-    except (ValueError, FileNotFoundError, CheckpointError, RunLockedError) as exc:  # see the module doc
+    except (ValueError, OSError, CheckpointError, RunLockedError) as exc:  # see the module doc
         print(f"fp4lab {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

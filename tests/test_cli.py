@@ -69,3 +69,28 @@ def test_bad_settings_are_errors_and_bugs_show_their_traceback(tmp_path, capsys,
     monkeypatch.setattr(loop, "train", bug)
     with pytest.raises(TypeError, match="a bug"):
         main(["train", "--data", str(tmp_path)])
+
+
+@pytest.mark.parametrize("config,args,message", [
+    ("lr = \n", [], "config file {cfg}: not valid TOML: Invalid value (at line 1, column 6)"),
+    ('lr = "abc"\n', [], "config file {cfg}: training setting lr='abc' must be float, not str"),
+    ('[model_overrides]\ndepth = "two"\n', [], "config file {cfg}: model setting depth='two' must be int, not str"),
+    ("", ["--set", "seq_len=1.5"], "--set: training setting seq_len=1.5 must be int, not float"),
+    ("", ["--set", "lr=abc"], "--set: training setting lr='abc' must be float, not str"),
+    ("", ["--set", "batch_size=-4"], "--set: training setting batch_size=-4 must be at least 1"),
+    ("", ["--set", "steps=0"], "--set: training setting steps=0 must be at least 1"),
+    ("", ["--set", "lr=NaN"], "--set: training setting lr=nan must be positive and finite"),
+    ("", ["--set", "val_fraction=1"], "--set: training setting val_fraction=1 must be between 0 and 1"),
+    ("", ["--set", "schedule=linear"], "--set: training setting schedule='linear' must be one of cosine, wsd"),
+    ("", ["--set", "model.width=3"], "--set: unknown model setting width; fields: vocab_size"),
+    ("", ["--set", "lr"], "--set: expected key=value, got 'lr'"),
+    ("", ["--model", "d7"], "training setting model='d7' must be one of tiny"),
+], ids=lambda v: v if isinstance(v, str) and len(v) < 30 else None)
+def test_config_errors_name_their_source_key_and_expectation(config, args, message, tmp_path, capsys):
+    cfg = tmp_path / "run.toml"
+    cfg.write_text(config)
+    assert main(["train", "--data", str(tmp_path), "--out", str(tmp_path / "run"),
+                 *(["--config", str(cfg)] if config else []), *args]) == 2
+    err = capsys.readouterr().err
+    assert message.format(cfg=cfg) in err and "Traceback" not in err
+    assert not (tmp_path / "run").exists()  # refused at the door: nothing was started

@@ -13,7 +13,8 @@ every other tensor is copied unchanged. Each pair becomes, with ``method`` (defa
 One S_dec per tensor: a fused gate/up expert tensor therefore shares one global scale, which is
 what vLLM expects. The output is streamed: its safetensors header is planned from the input's
 shapes, then each tensor is converted and written in turn, so peak memory is about one tensor;
-it is written to a temporary file and renamed only when complete. A NaN (0xFF) scale is refused
+it and its config and report files are written under temporary names and renamed only when
+all are complete. A NaN (0xFF) scale is refused
 with the tensor's name. ``verify`` reads the output back and checks every tensor.
 
 Public: ``convert_checkpoint``, ``verify_checkpoint``.
@@ -21,10 +22,12 @@ Public: ``convert_checkpoint``, ``verify_checkpoint``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import struct
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors import safe_open
@@ -97,58 +100,87 @@ def _mx_tensor(f, base: str) -> FP4Tensor:
 
 def convert_checkpoint(src: str | Path, dst: str | Path, *, layout: str | Layout = Layout.MODELOPT,
                        method: str = "best", progress=None) -> dict:
-    """src MXFP4 safetensors -> dst NVFP4 safetensors (+ config file); returns the per-tensor report."""
+    """src MXFP4 safetensors -> dst NVFP4 safetensors (+ config file); returns the per-tensor report.
+    ValueError for an input with no MXFP4 pair; an I/O error (read-only folder, full disk) leaves
+    no output file behind, whole or partial."""
     src, dst, layout = Path(src), Path(dst), Layout.parse(layout)
     with _open(src) as f:
         plan = _plan(f, layout)
-        header, offset = {}, 0
-        for name, dtype, shape, _ in plan:
-            size = _nbytes(dtype, shape)
-            header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + size]}
-            offset += size
-        header["__metadata__"] = {"format": "pt", "producer": "fp4lab", "quantization": f"nvfp4/{layout}"}
-        blob = json.dumps(header, separators=(",", ":")).encode()
-        blob += b" " * (-len(blob) % 8)
-        report, tmp = {}, dst.with_name(dst.name + ".tmp")
+        if not any(base is not None for *_, base in plan):
+            raise ValueError(f"{src} holds no MXFP4 tensor pair (<base>_blocks uint8 with <base>_scales): "
+                             "nothing to convert")
+        report: dict[str, dict] = {}
+
+        def tensors(out) -> None:
+            out.write(_header(plan, layout))
+            converted = {}
+            for name, _, _, base in (progress(plan) if progress else plan):
+                if base is None:
+                    tensor = f.get_tensor(name)
+                else:
+                    if base not in converted:
+                        nv, r = mxfp4_to_nvfp4(_mx_tensor(f, base), method)
+                        scalar = nv.tensor_scale if layout is Layout.MODELOPT else 1.0 / nv.tensor_scale
+                        converted = {base: [nv.codes, nv.scales, scalar.reshape(())]}  # one tensor at a time
+                        report[base] = {"method": r.chosen, "spread": r.spread, "m": r.m,
+                                        "blocks_out_of_range": r.blocks_out_of_range, "mse": r.mse,
+                                        "lossless": r.lossless}
+                    tensor = converted[base].pop(0)
+                out.write(tensor.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+
+        config_name, config = _config(layout)
         dst.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            with open(tmp, "wb") as out:
-                out.write(struct.pack("<Q", len(blob)) + blob)
-                converted = {}
-                for name, dtype, shape, base in (progress(plan) if progress else plan):
-                    if base is None:
-                        tensor = f.get_tensor(name)
-                    else:
-                        if base not in converted:
-                            nv, r = mxfp4_to_nvfp4(_mx_tensor(f, base), method)
-                            scalar = nv.tensor_scale if layout is Layout.MODELOPT else 1.0 / nv.tensor_scale
-                            converted = {base: [nv.codes, nv.scales, scalar.reshape(())]}  # one tensor at a time
-                            report[base] = {"method": r.chosen, "spread": r.spread, "m": r.m,
-                                            "blocks_out_of_range": r.blocks_out_of_range, "mse": r.mse,
-                                            "lossless": r.lossless}
-                        tensor = converted[base].pop(0)
-                    out.write(tensor.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
-            os.replace(tmp, dst)
-        finally:
-            tmp.unlink(missing_ok=True)
-    _write_config(dst, layout, report)
+        _write_together({dst: tensors,  # first: the config and report need its report
+                         dst.parent / config_name: lambda out: out.write(_json(config(sorted(report)))),
+                         dst.parent / (dst.stem + ".conversion_report.json"): lambda out: out.write(_json(report))})
     return report
 
 
-def _write_config(dst: Path, layout: Layout, report: dict) -> None:
-    targets = sorted(report)
+def _header(plan: list, layout: Layout) -> bytes:
+    """The output's safetensors header (length-prefixed, padded to 8 bytes), planned from shapes."""
+    header, offset = {}, 0
+    for name, dtype, shape, _ in plan:
+        size = _nbytes(dtype, shape)
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    header["__metadata__"] = {"format": "pt", "producer": "fp4lab", "quantization": f"nvfp4/{layout}"}
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    return struct.pack("<Q", len(blob)) + blob
+
+
+def _write_together(files: dict[Path, Callable]) -> None:
+    """Write each file under a temporary name, in order, then rename them all into place: a
+    failure on the way (permissions, a full disk) removes the temporaries and leaves none of
+    the outputs, rather than some of them or a truncated one."""
+    tmps = {path: path.with_name(f".{path.name}.tmp-{os.getpid()}") for path in files}
+    try:
+        for path, write in files.items():
+            with open(tmps[path], "wb") as out:
+                write(out)
+        for path, tmp in tmps.items():
+            os.replace(tmp, path)
+    finally:
+        for tmp in tmps.values():
+            with contextlib.suppress(OSError):  # the cleanup must not hide the error that led here
+                tmp.unlink(missing_ok=True)
+
+
+def _json(value) -> bytes:
+    return json.dumps(value, indent=1).encode()
+
+
+def _config(layout: Layout) -> tuple[str, Callable[[list[str]], dict]]:
+    """The layout's config file: its name, and its content for the converted tensor bases."""
     if layout is Layout.MODELOPT:
-        name, config = "hf_quant_config.json", {
+        return "hf_quant_config.json", lambda targets: {
             "producer": {"name": "fp4lab", "version": "0.1.0"},
             "quantization": {"quant_algo": "NVFP4", "group_size": 16, "kv_cache_quant_algo": None,
                              "quantized_tensors": targets}}
-    else:
-        name, config = "quantization_config.json", {
-            "quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
-            "config_groups": {"group_0": {"targets": targets, "weights": {
-                "num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16, "symmetric": True}}}}
-    (dst.parent / name).write_text(json.dumps(config, indent=1))
-    (dst.parent / (dst.stem + ".conversion_report.json")).write_text(json.dumps(report, indent=1))
+    return "quantization_config.json", lambda targets: {
+        "quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
+        "config_groups": {"group_0": {"targets": targets, "weights": {
+            "num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16, "symmetric": True}}}}
 
 
 def verify_checkpoint(src: str | Path, dst: str | Path, *, layout: str | Layout = Layout.MODELOPT) -> dict:

@@ -5,7 +5,7 @@ significand, within range), so the only rounding is the multiply by the FP32 ten
 (NVFP4), then the cast to ``dtype``. Padding is cropped and the block axis moved back, so the
 result has the source tensor's shape. A NaN scale (a non-finite source block) gives NaN.
 
-Public: ``dequantize``, ``block_values``, ``block_scales``.
+Public: ``dequantize``, ``block_values``, ``block_scales``, ``check_dequantize_args``.
 """
 
 from __future__ import annotations
@@ -30,10 +30,18 @@ def block_values(q: FP4Tensor) -> torch.Tensor:
     return (values * block_scales(q)[..., None]).reshape(*q.lead_shape, q.padded_len)
 
 
-def dequantize(q: FP4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """q -> [q.shape] ``dtype`` tensor."""
+def check_dequantize_args(q: FP4Tensor, dtype: torch.dtype) -> None:
+    """TypeError unless q is an FP4Tensor and dtype a floating dtype (an integer dtype would
+    truncate the values silently)."""
     if not isinstance(q, FP4Tensor):
         raise TypeError(f"dequantize takes an FP4Tensor, got {type(q).__name__}")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dequantize writes a floating dtype (float32, bfloat16, float16, ...), got {dtype}")
+
+
+def dequantize(q: FP4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """q -> [q.shape] ``dtype`` tensor."""
+    check_dequantize_args(q, dtype)
     values = block_values(q)
     if q.tensor_scale is not None:
         values = values * q.tensor_scale

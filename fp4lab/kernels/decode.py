@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from ..formats.blocks import restore
+from ..formats.dequantize import check_dequantize_args
 from ..formats.layout import with_scale_layout
 from ..formats.types import Format, FP4Tensor, ScaleLayout
 from .elements import e2m1_value, scale_value, to_bf16_rtne
@@ -47,8 +48,7 @@ def _dequantize_kernel(codes_ptr, scales_ptr, tscale_ptr, out_ptr, ROWS, LP,
 
 def dequantize(q: FP4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Triton twin of fp4lab.formats.dequantize."""
-    if not isinstance(q, FP4Tensor):
-        raise TypeError(f"dequantize takes an FP4Tensor, got {type(q).__name__}")
+    check_dequantize_args(q, dtype)
     if dtype not in _OUT_DTYPES:  # e.g. float16: the fp32 result, cast once, as the reference does
         return dequantize(q, torch.float32).to(dtype)
     return restore(_decode(q, dtype, q.format is Format.NVFP4), q.shape, q.axis)

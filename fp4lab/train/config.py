@@ -2,10 +2,10 @@
 
 A config comes from Python, a TOML file (``fp4lab train --config``) or ``--set key=value``
 pairs (``with_overrides``), so a value may arrive with the wrong type (``--set steps=abc``).
-Each field is checked against its annotation when the config is built: a wrong type is a
-ValueError naming the setting, before any data is read (an int is taken where a float is due;
-a bool is never taken as a number). ``model_overrides`` are checked the same way against
-nn.ModelConfig by ``check_types``, which the loop calls before building the model.
+Each field is checked against its annotation and its range when the config is built: a wrong
+type or value is a ValueError naming the setting and what it must be, before any data is read
+(an int is taken where a float is due; a bool is never taken as a number). ``model`` must name a preset and ``model_overrides`` are checked the same way
+against nn.ModelConfig's fields.
 
 Public: ``TrainConfig``, ``check_types``.
 """
@@ -13,6 +13,7 @@ Public: ``TrainConfig``, ``check_types``.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,6 +84,23 @@ class TrainConfig:
     def __post_init__(self) -> None:
         check_types({f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, TrainConfig,
                     what="training setting")
+        for name, (allowed, rule) in _RANGES.items():
+            value = getattr(self, name)
+            if value is not None and not allowed(value):
+                raise ValueError(f"training setting {name}={value!r} must be {rule}")
+        if self.dense_opt not in _OPTIMIZERS or self.expert_opt not in _OPTIMIZERS:
+            raise ValueError(f"dense_opt and expert_opt must be one of {', '.join(_OPTIMIZERS)}, "
+                             f"got {self.dense_opt!r}, {self.expert_opt!r}")
+        from ..nn.model import MODEL_PRESETS, ModelConfig  # here, so a config file's error names the file
+        if self.model not in MODEL_PRESETS:
+            raise ValueError(f"training setting model={self.model!r} must be one of {', '.join(MODEL_PRESETS)}")
+        unknown = set(self.model_overrides) - set(field_types(ModelConfig))
+        if unknown:
+            raise ValueError(f"unknown model setting {', '.join(sorted(unknown))}; "
+                             f"fields: {', '.join(field_types(ModelConfig))}")
+        check_types(self.model_overrides, ModelConfig, what="model setting")
+        if self.schedule not in _SCHEDULES:
+            raise ValueError(f"training setting schedule={self.schedule!r} must be one of {', '.join(_SCHEDULES)}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -108,6 +126,27 @@ class TrainConfig:
                 raise ValueError(f"unknown training setting {key!r}; fields: {', '.join(fields)}, "
                                  "or model.<field>, recipe.<dotted key>")
         return dataclasses.replace(self, **direct, model_overrides=model_o, recipe_overrides=recipe_o)
+
+
+def _at_least(low: float):
+    return lambda v: math.isfinite(v) and v >= low
+
+
+_positive = (lambda v: math.isfinite(v) and v > 0, "positive and finite")
+_counts = (_at_least(1), "at least 1")
+_off_or_count = (_at_least(0), "0 (off) or more")
+# checked when a config is made, so a bad value is refused before any data is read; a None
+# (where the field allows it) means "not set"
+_RANGES = {"steps": _counts, "batch_size": _counts, "grad_accum": _counts, "seq_len": _counts,
+           "vocab_size": _counts, "data_max_bytes": _counts, "eval_batches": _counts, "log_every": _counts,
+           "stop_at": _counts, "lr": _positive, "embed_lr": _positive, "muon_lr": _positive,
+           "diverge_loss": _positive, "weight_decay": _off_or_count, "final_lr": _off_or_count,
+           "clip": _off_or_count, "warmup": (_at_least(0), "0 or more"), "threads": (_at_least(0), "0 (all cores) or more"),
+           "eval_every": (_at_least(0), "0 (only at the end) or more"), "ckpt_every": (_at_least(0), "0 (only at the end) or more"),
+           "stiction_every": _off_or_count, "seed": (lambda v: 0 <= v < 2**63, "in [0, 2**63)"),
+           "val_fraction": (lambda v: 0 < v < 1, "between 0 and 1 (exclusive)")}
+_OPTIMIZERS = ("adamw", "muon")
+_SCHEDULES = ("cosine", "wsd")
 
 
 def check_types(values: dict[str, Any], cls: type, *, what: str) -> None:

@@ -66,7 +66,10 @@ def _read_bin(path: Path) -> np.ndarray:
 
 
 def _read_npy(path: Path) -> np.ndarray:
-    tokens = np.load(path, mmap_mode="r")
+    try:
+        tokens = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (EOFError, ValueError, OSError) as err:  # empty, truncated, pickled or not .npy at all
+        raise ValueError(f"{path}: not a readable .npy array ({err})") from None
     if tokens.ndim != 1 or tokens.dtype not in (np.uint16, np.uint32):
         raise ValueError(f"{path}: expected a 1D uint16/uint32 array, got {tokens.dtype} {tokens.shape}")
     return tokens
@@ -79,7 +82,10 @@ def load_tokens(source: Path) -> np.ndarray:
     if not paths:
         raise FileNotFoundError(f"no .bin or .npy token shards in {source}")
     parts = [_read_bin(p) if p.suffix == ".bin" else _read_npy(p) for p in paths]
-    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+    tokens = parts[0] if len(parts) == 1 else np.concatenate(parts)
+    if tokens.size == 0:
+        raise ValueError(f"{source}: holds no tokens")
+    return tokens
 
 
 def dataset_meta(source: Path) -> dict:

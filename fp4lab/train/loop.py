@@ -293,7 +293,8 @@ def _evaluate(run: Run, *, full: bool) -> float:
 
 def _evaluate_if_due(run: Run, state: RunState, metrics) -> None:
     last = state.step == run.cfg.steps
-    if state.step % run.cfg.eval_every == 0 or last:  # the last evaluation covers the whole split
+    due = run.cfg.eval_every > 0 and state.step % run.cfg.eval_every == 0  # 0: only the last
+    if due or last:  # the last evaluation covers the whole split
         val = _evaluate(run, full=last)
         state.evals.append(Eval(step=state.step, tokens=state.step * run.tokens_per_step, val_loss=val))
         _log(metrics, {"step": state.step, "val_loss": val})

@@ -173,6 +173,18 @@ def gap_curve(arm: dict[int, Receipt], base: dict[int, Receipt]) -> list[tuple[i
     return out
 
 
+def _running_mean(values: list[float], width: int) -> list[float]:
+    """Trailing mean over ``width`` values (fewer at the start); non-finite values pass through."""
+    out, window = [], []
+    for v in values:
+        if not math.isfinite(v):
+            out.append(v)
+            continue
+        window = (window + [v])[-width:]
+        out.append(sum(window) / len(window))
+    return out
+
+
 def plots(receipts: list[Receipt], out_dir: Path, title: str,
           baselines: dict[str, str | None] | None = None) -> list[Path]:
     import matplotlib
@@ -181,16 +193,23 @@ def plots(receipts: list[Receipt], out_dir: Path, title: str,
     written = []
     fig, ax = plt.subplots(figsize=(7, 4.5))
     shown = []
+    # one color per arm (its seeds share it: a dozen runs stay readable), one legend entry per arm
+    arms = list(dict.fromkeys(arm_name(r) for r in receipts))
+    colors = {arm: plt.get_cmap("tab10" if len(arms) <= 10 else "tab20")(i % 20) for i, arm in enumerate(arms)}
+    labelled = set()
     for r in receipts:
+        arm = arm_name(r)
         tokens_per_step = r.config["batch_size"] * r.config["seq_len"]
-        line, = ax.plot([e.tokens for e in r.evals], [e.val_loss for e in r.evals], marker="o",
-                        markersize=3, label=f"{r.name} (val)")
+        ax.plot([e.tokens for e in r.evals], [e.val_loss for e in r.evals], marker="o", markersize=3,
+                color=colors[arm], label=None if arm in labelled else f"{arm} (val)")
+        labelled.add(arm)
         shown += [e.val_loss for e in r.evals[len(r.evals) // 3:]]
         if r.train_curve:
             steps, losses = zip(*r.train_curve)
-            ax.plot([s * tokens_per_step for s in steps], losses, color=line.get_color(), alpha=0.25, linewidth=0.8)
-            shown += list(losses[len(losses) // 3:])
-    ax.set(xlabel="tokens", ylabel="loss", title=f"{title}: validation loss (train faint)")
+            smooth = _running_mean(list(losses), max(1, len(losses) // 40))  # the trend, not the batch noise
+            ax.plot([s * tokens_per_step for s in steps], smooth, color=colors[arm], alpha=0.3, linewidth=0.8)
+            shown += smooth[len(smooth) // 3:]
+    ax.set(xlabel="tokens", ylabel="loss", title=f"{title}: validation loss (training, smoothed, faint)")
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
     shown = [v for v in shown if math.isfinite(v)]

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ..nn import GPT, ModelConfig, QuantContext, Recipe, load_recipe, model_config, quantize_model
-from .config import TrainConfig, check_types
+from .config import TrainConfig
 from .corpus import CORPORA, TEXT_SUFFIXES, default_dataset, text_dataset
 from .data import TokenStream, dataset_meta, load_tokens
 from .optim import build_optimizers
@@ -119,11 +119,10 @@ def setup(cfg: TrainConfig) -> Run:
         torch.cuda.set_device(device)
     if cfg.batch_size % (cfg.grad_accum * world):
         raise ValueError(f"batch_size {cfg.batch_size} must divide by grad_accum x ranks = {cfg.grad_accum * world}")
-    check_types(cfg.model_overrides, ModelConfig, what="model setting")
+    recipe = _recipe(cfg)  # a bad recipe is refused before the data is read
     tokens, path, meta = _tokens(cfg)
     vocab = meta.get("vocab_size") or int(tokens.max()) + 1
     mcfg = model_config(cfg.model, vocab_size=vocab, seq_len=cfg.seq_len, **cfg.model_overrides)
-    recipe = _recipe(cfg)
     stream = TokenStream(tokens, seq_len=cfg.seq_len, batch_size=cfg.batch_size // cfg.grad_accum, seed=cfg.seed,
                          rank=rank, world=world, val_fraction=cfg.val_fraction, eot=meta.get("eot_id"))
     epochs = cfg.steps * cfg.batch_size / stream.n_train

@@ -64,7 +64,38 @@ def test_nan_scales_and_corrupt_input_are_refused_without_output(tmp_path, capsy
     save_file(tensors, str(src))
     with pytest.raises(ValueError, match="down_proj_scales holds 1 NaN"):
         convert_checkpoint(src, dst)
-    assert not dst.exists() and not list(tmp_path.glob("*.tmp"))  # nothing partial left behind
+    assert sorted(tmp_path.iterdir()) == [src]  # nothing partial left behind, no temporary either
     src.write_bytes(src.read_bytes()[:100])
     assert main(["convert", str(src), str(dst)]) == 2
     assert "not a readable safetensors file" in capsys.readouterr().err
+
+
+def test_an_input_without_mxfp4_tensors_is_an_error_not_zero_conversions(tmp_path, capsys):
+    src, dst = tmp_path / "plain.safetensors", tmp_path / "nv.safetensors"
+    save_file({"model.embed.weight": torch.randn(4, 8)}, str(src))
+    assert main(["convert", str(src), str(dst)]) == 2
+    assert "holds no MXFP4 tensor pair" in capsys.readouterr().err
+    assert sorted(tmp_path.iterdir()) == [src]
+
+
+def test_a_write_failure_leaves_no_output_and_one_clear_line(tmp_path, capsys, monkeypatch):
+    import errno
+
+    from fp4lab.convert import checkpoint
+    src, out = tmp_path / "mx.safetensors", tmp_path / "out"
+    gpt_oss_file(src)
+
+    def full_disk(value):  # the last file of the three (the report) hits a full disk
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(checkpoint, "_json", full_disk)
+    assert main(["convert", str(src), str(out / "nv.safetensors")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "No space left on device" in err and "Traceback" not in err
+    assert list(out.iterdir()) == []  # not the tensors, not a config, not a 0-byte report
+    monkeypatch.undo()
+
+    def read_only(*args, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied", str(out))
+    monkeypatch.setattr(checkpoint.Path, "mkdir", read_only)
+    assert main(["convert", str(src), str(out / "nv.safetensors")]) == 2
+    assert "Permission denied" in capsys.readouterr().err

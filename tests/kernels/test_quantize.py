@@ -184,6 +184,10 @@ def test_bad_input_errors_come_from_the_shared_checks():
         kernels.quantize_nvfp4(torch.randn(3, 20, device=DEVICE), backend="triton")
     with pytest.raises(TypeError, match="int64"):
         kernels.quantize_mxfp4(torch.ones(3, 32, dtype=torch.int64, device=DEVICE), backend="triton")
+    q = formats.quantize_nvfp4(torch.randn(4, 32))
+    for backend in ("reference", "triton"):  # an integer dtype would truncate the values silently
+        with pytest.raises(TypeError, match="floating dtype"):
+            kernels.dequantize(q if backend == "reference" else q.to(DEVICE), torch.int8, backend=backend)
 
 
 def test_uncovered_shapes_fall_back_to_the_reference_with_one_warning():

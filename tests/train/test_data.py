@@ -46,6 +46,21 @@ def test_npy_of_the_wrong_dtype_is_refused(tmp_path):
         load_tokens(tmp_path / "f.npy")
 
 
+
+@pytest.mark.parametrize("content,match", [(b"", "not a readable .npy array"),
+                                           (b"\x93NUMPY\x01", "not a readable .npy array"),
+                                           (None, "holds no tokens")])
+def test_empty_or_truncated_npy_is_refused_by_name(tmp_path, content, match):
+    path = tmp_path / "f.npy"
+    if content is None:
+        np.save(path, np.zeros(0, dtype=np.uint16))
+    else:
+        path.write_bytes(content)
+    with pytest.raises(ValueError, match=match) as err:
+        load_tokens(path)
+    assert str(path) in str(err.value)
+
+
 EOT = 0
 
 
