@@ -20,8 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .train.checkpoint import CheckpointError
-from .train.lock import RunLockedError
+from .train.errors import CheckpointError, RunLockedError
 
 
 def _block(text: str) -> int | tuple[int, int]:
@@ -199,8 +198,8 @@ def _demo(args: argparse.Namespace) -> int:
 
 # ---- registration: one add_parser per subcommand, each setting its handler --------------------
 
-def _add_inspect(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser("inspect", help="quantize each floating tensor of a file and tabulate the error")
+def _add_inspect(sub, name: str, help: str) -> argparse.ArgumentParser:
+    p = sub.add_parser(name, help=help)
     p.add_argument("file", type=Path, nargs="?", help="a .safetensors file or a torch file of tensors")
     p.add_argument("--demo", type=Path, nargs="?", const=True, default=None,
                    help="inspect generated LLM-shaped tensors instead (optionally kept at this path)")
@@ -209,9 +208,8 @@ def _add_inspect(sub) -> argparse.ArgumentParser:
     return p
 
 
-def _add_demo(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser("demo", help="train a tiny GPT in BF16, NVFP4 and MXFP4 on the built-in corpus; "
-                       "print the gap table, plot the curves")
+def _add_demo(sub, name: str, help: str) -> argparse.ArgumentParser:
+    p = sub.add_parser(name, help=help)
     p.add_argument("--out", type=Path, default=Path("runs/demo"), help="run and report folder (default runs/demo)")
     p.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto",
                    help="which default size to use (auto: gpu when CUDA is available)")
@@ -220,8 +218,8 @@ def _add_demo(sub) -> argparse.ArgumentParser:
     return p
 
 
-def _add_train(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser("train", help="train one run: fp4lab train --model tiny --recipe nvfp4 --set lr=1e-3")
+def _add_train(sub, name: str, help: str) -> argparse.ArgumentParser:
+    p = sub.add_parser(name, help=help)
     p.add_argument("--config", type=Path, help="a TOML file of TrainConfig fields (with [model_overrides] and "
                    "[recipe_overrides] tables)")
     p.add_argument("--model", help="model preset (tiny, moe-tiny, d6, d12, d16, moe64)")
@@ -237,8 +235,8 @@ def _add_train(sub) -> argparse.ArgumentParser:
     return p
 
 
-def _add_report(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser("report", help="tables and plots from run receipts")
+def _add_report(sub, name: str, help: str) -> argparse.ArgumentParser:
+    p = sub.add_parser(name, help=help)
     p.add_argument("runs", nargs="+", type=Path, help="run directories (or receipt.json files)")
     p.add_argument("--out", type=Path, default=None, help="where report.md and the plots go (default: the run's "
                    "folder, or the folder several runs share)")
@@ -249,18 +247,18 @@ def _add_report(sub) -> argparse.ArgumentParser:
     return p
 
 
-def _add_verify(sub) -> argparse.ArgumentParser:
+def _add_verify(sub, name: str, help: str) -> argparse.ArgumentParser:
     from .verify import cli as verify_cli
-    return verify_cli.add_parser(sub)  # sets its handler, verify.cli.run
+    return verify_cli.add_parser(sub, name, help)  # sets its handler, verify.cli.run
 
 
-def _add_generate(sub) -> argparse.ArgumentParser:
+def _add_generate(sub, name: str, help: str) -> argparse.ArgumentParser:
     from . import generate
-    return generate.add_parser(sub)  # sets its handler, cli_generate
+    return generate.add_parser(sub, name, help)  # sets its handler, cli_generate
 
 
-def _add_study(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser("study", help="run a published FP4 finding as a study (fp4lab study --list)")
+def _add_study(sub, name: str, help: str) -> argparse.ArgumentParser:
+    p = sub.add_parser(name, help=help)
     p.add_argument("name", nargs="?", help="the study to run (see --list)")
     p.add_argument("--list", action="store_true", help="list the studies with their arms and cost")
     p.add_argument("--scale", default="smoke", help="smoke (CPU, seconds), gpu-small, gpu-medium")
@@ -277,9 +275,9 @@ def _add_study(sub) -> argparse.ArgumentParser:
     return p
 
 
-def _add_convert(sub) -> argparse.ArgumentParser:
+def _add_convert(sub, name: str, help: str) -> argparse.ArgumentParser:
     # MXFP4 -> NVFP4 is the one conversion there is, so no target-format option
-    p = sub.add_parser("convert", help="convert a gpt-oss-style MXFP4 safetensors checkpoint to NVFP4",
+    p = sub.add_parser(name, help=help,
                        description="Converts every MXFP4 tensor pair <base>_blocks (uint8 [..., out, in/32, 16]) "
                        "and <base>_scales (uint8 UE8M0 [..., out, in/32]) of the .safetensors file SRC to NVFP4 "
                        "in the .safetensors file DST (with the layout's config file beside it); other tensors "
@@ -297,17 +295,40 @@ def _add_convert(sub) -> argparse.ArgumentParser:
     return p
 
 
-SUBCOMMANDS = (_add_inspect, _add_demo, _add_train, _add_report, _add_verify, _add_generate, _add_study,
-               _add_convert)
-"""Every subcommand's add_parser, in the order ``fp4lab --help`` lists them."""
+SUBCOMMANDS = {
+    "inspect": ("quantize each floating tensor of a file and tabulate the error", _add_inspect),
+    "demo": ("train a tiny GPT in BF16, NVFP4 and MXFP4 on the built-in corpus; print the gap table, "
+             "plot the curves", _add_demo),
+    "train": ("train one run: fp4lab train --model tiny --recipe nvfp4 --set lr=1e-3", _add_train),
+    "report": ("tables and plots from run receipts", _add_report),
+    "verify": ("check FP4 GEMMs, the swizzled scale layout and quantizers against fp4lab's reference, "
+               "with a diagnosis of the first failure", _add_verify),
+    "generate": ("generate text from a trained run; --quantize nvfp4 also post-training quantizes it and "
+                 "reports the cost", _add_generate),
+    "study": ("run a published FP4 finding as a study (fp4lab study --list)", _add_study),
+    "convert": ("convert a gpt-oss-style MXFP4 safetensors checkpoint to NVFP4", _add_convert),
+}
+"""Every subcommand: its one-line help and its add_parser, in the order ``fp4lab --help`` lists them."""
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser with ``command``'s full subparser and one-line stubs for the others (None:
+    every subparser in full). Building a subparser imports what its command needs (torch,
+    Triton), so ``fp4lab --help`` and another command's errors answer without them."""
+    parser = argparse.ArgumentParser(prog="fp4lab", description="Bit-exact FP4 (NVFP4, MXFP4) research tools")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (help, add_parser) in SUBCOMMANDS.items():
+        if command in (None, name):
+            add_parser(sub, name, help)
+        else:
+            sub.add_parser(name, help=help)
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="fp4lab", description="Bit-exact FP4 (NVFP4, MXFP4) research tools")
-    sub = parser.add_subparsers(dest="command", required=True)
-    for add_parser in SUBCOMMANDS:
-        add_parser(sub)
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = next((a for a in argv if not a.startswith("-")), None)  # fp4lab has no global options
+    args = build_parser(command if command in SUBCOMMANDS else "").parse_args(argv)
     try:
         return args.handler(args)
     except (ValueError, OSError, CheckpointError, RunLockedError) as exc:  # see the module doc

@@ -259,10 +259,9 @@ def _first_difference(a: list[int], b: list[int]) -> int:
     return next((i for i, (u, v) in enumerate(zip(a, b)) if u != v), min(len(a), len(b)))
 
 
-def add_parser(subparsers) -> argparse.ArgumentParser:
+def add_parser(subparsers, name: str = "generate", help: str | None = None) -> argparse.ArgumentParser:
     """Register ``generate`` on an argparse subparsers object -> its parser (handler: cli_generate)."""
-    p = subparsers.add_parser("generate", help="generate text from a trained run; --quantize nvfp4 also "
-                              "post-training quantizes it and reports the cost")
+    p = subparsers.add_parser(name, help=help)
     p.add_argument("run", type=Path, help="run directory (or its checkpoint directory)")
     p.add_argument("--prompt", required=True, help="text to continue")
     p.add_argument("--quantize", choices=["none", *PTQ_FORMATS], default="none",

@@ -1,6 +1,8 @@
 """`fp4lab inspect` and `fp4lab demo` as a user runs them; how subcommands register and fail."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -45,15 +47,23 @@ def test_corrupt_and_missing_files_get_a_clear_error(tmp_path, capsys):
 
 
 def test_every_subcommand_is_registered_one_way_with_a_handler():
-    import argparse
-
-    from fp4lab.cli import SUBCOMMANDS
-    sub = argparse.ArgumentParser(prog="fp4lab").add_subparsers(dest="command")
-    for add_parser in SUBCOMMANDS:
-        add_parser(sub)
+    from fp4lab.cli import build_parser
+    sub = build_parser()._subparsers._group_actions[0]
     assert set(sub.choices) == {"inspect", "demo", "train", "report", "verify", "generate", "study", "convert"}
     assert all(callable(p.get_default("handler")) for p in sub.choices.values())
     assert "--to" not in sub.choices["convert"].format_help()  # one conversion: nothing to choose
+
+
+def test_help_and_argument_errors_answer_without_torch():
+    # a fresh interpreter: `fp4lab --help` and another command's usage error import no torch
+    code = ("import sys\nfrom fp4lab.cli import main\n"
+            "for argv in (['--help'], ['train', '--resume', '--steps', 'x']):\n"
+            "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip().splitlines()[-1] == "False", out.stderr
+    assert "usage: fp4lab" in out.stdout and "convert a gpt-oss-style MXFP4" in out.stdout
+    assert "argument --steps: invalid int value: 'x'" in out.stderr
 
 
 def test_bad_settings_are_errors_and_bugs_show_their_traceback(tmp_path, capsys, monkeypatch):

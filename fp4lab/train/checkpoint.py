@@ -29,11 +29,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from .errors import CheckpointError
+
 FILES = ("model.safetensors", "optim.pt")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that is missing, corrupt, or from another run."""
 
 
 def _sha256(path: Path) -> str:

@@ -23,16 +23,14 @@ import socket
 import time
 from pathlib import Path
 
+from .errors import RunLockedError
+
 try:
     import fcntl
 except ImportError:  # Windows
     fcntl = None
 
 LOCK_NAME = ".lock"
-
-
-class RunLockedError(RuntimeError):
-    """Another live process is writing this run directory."""
 
 
 def _alive(pid: int) -> bool:

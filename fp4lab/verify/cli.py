@@ -48,10 +48,9 @@ def _shapes(text: str) -> list[tuple[int, ...]]:
     return shapes
 
 
-def add_parser(subparsers) -> argparse.ArgumentParser:
+def add_parser(subparsers, name: str = "verify", help: str | None = None) -> argparse.ArgumentParser:
     """Register ``verify`` and its verbs on an argparse subparsers object; returns its parser."""
-    p = subparsers.add_parser("verify", help="check FP4 GEMMs, the swizzled scale layout and quantizers "
-                              "against fp4lab's reference, with a diagnosis of the first failure")
+    p = subparsers.add_parser(name, help=help)
     verbs = p.add_subparsers(dest="verify_verb", required=True)
     g = verbs.add_parser("gemm", help="run the exact-case ladder and random shapes on FP4 GEMMs")
     g.add_argument("--impl", choices=IMPLS, action="append", help="GEMM(s) to check (default: all three)")
