@@ -15,12 +15,17 @@ What the selection resolved to is recorded for receipts (``coverage``, also at
 ``model.fp4_coverage``)::
 
     {"blocks": n_blocks, "bf16_first": first, "bf16_last": last,
-     "linears": {"fp4": n, "bf16": m}, "fp4_param_fraction": f}
+     "linears": {"fp4": n, "bf16": m}, "fp4_param_fraction": f,
+     "flop_fraction": {"fprop": {"bf16": x, "nvfp4": 1 - x}, "dgrad": {...}, "wgrad": {...}}}
 
 A linear is an nn.Linear (FP4Linear included) or a module taking a recipe (one GroupedExperts
 holds all of a layer's experts); it counts as fp4 when it runs a recipe that quantizes or
 rotates (``Recipe.quantized``: the FP4Linear of a BF16 recipe counts as bf16). f is the
-fraction of linear weight elements (expert weights included, biases not) in fp4 linears.
+fraction of linear weight elements (expert weights included, biases not) in fp4 linears;
+``flop_fraction`` splits each GEMM's linear FLOPs by the format it multiplies in (an expert's
+weights weighed by the share of tokens routed to it, top_k / n_experts; attention's score and
+value products, always BF16, are not linear FLOPs and not counted). A late switch to BF16
+(``bf16_after``) is not reflected: this is the configuration the run starts with.
 
 A recipe that quantizes but selects no linear of the model is an error (a run labelled FP4 that
 trains in BF16 would be a silent lie). Parameters are reused, not copied: state-dict keys, tying
@@ -38,7 +43,8 @@ from typing import Any
 from torch import nn
 
 from .linear import FP4Linear, QuantContext
-from .recipe import Recipe
+from .moe import MoE
+from .recipe import GEMMS, Recipe
 
 _BLOCK = re.compile(r"(?:^|\.)(?:blocks|layers|h)\.(\d+)(?:\.|$)")
 
@@ -112,14 +118,31 @@ def coverage(model: nn.Module) -> dict[str, Any]:
     recipe = getattr(model, "fp4_recipe", None)
     first, last = recipe.bf16_blocks(n_blocks) if recipe is not None else (None, None)
     linears, weights = {"fp4": 0, "bf16": 0}, {"fp4": 0, "bf16": 0}
+    flops = {gemm: {} for gemm in GEMMS}
+    share = {id(m.experts): m.cfg.top_k / m.cfg.n_experts for m in model.modules() if isinstance(m, MoE)}
     for module in model.modules():
         if isinstance(module, nn.Linear) or hasattr(module, "use_recipe"):
             kind = "fp4" if _runs_fp4(module) else "bf16"
             linears[kind] += 1
             weights[kind] += _weight_numel(module)
+            # a linear's GEMMs cost 2 x weight elements per token it sees; an expert sees top_k/E of them
+            cost = _weight_numel(module) * share.get(id(module), 1.0)
+            for gemm in GEMMS:
+                fmt = _gemm_format(getattr(module, "recipe", None), gemm)
+                flops[gemm][fmt] = flops[gemm].get(fmt, 0.0) + cost
     total = weights["fp4"] + weights["bf16"]
     return {"blocks": n_blocks, "bf16_first": first, "bf16_last": last, "linears": linears,
-            "fp4_param_fraction": weights["fp4"] / total if total else 0.0}
+            "fp4_param_fraction": weights["fp4"] / total if total else 0.0,
+            "flop_fraction": {gemm: {fmt: f / sum(by.values()) for fmt, f in sorted(by.items())}
+                              for gemm, by in flops.items() if by}}
+
+
+def _gemm_format(recipe, gemm: str) -> str:
+    """The format a linear's ``gemm`` multiplies in: its quantized operand's (bf16 when neither is)."""
+    spec = recipe.gemm(gemm) if recipe is not None else None
+    if spec is None or not spec.quantized:
+        return "bf16"
+    return str(spec.a.format if spec.a.quantized else spec.b.format)
 
 
 def _runs_fp4(module: nn.Module) -> bool:

@@ -31,19 +31,24 @@ def test_nvfp4_keeps_the_resolved_blocks_and_records_its_coverage():
     quantize_model(model, nvfp4())  # NVIDIA's fractions at depth 8: no first block, the last one
     assert set(fp4_modules(model)) == {f"blocks.{i}.{m}" for i in range(7) for m in LINEARS}
     fp4 = _linear_weights(model, lambda n: n.startswith("blocks.") and not n.startswith("blocks.7."))
+    split = {"bf16": 1 - fp4 / _linear_weights(model), "nvfp4": fp4 / _linear_weights(model)}
     want = {"blocks": 8, "bf16_first": 0, "bf16_last": 1, "linears": {"fp4": 35, "bf16": 6},
-            "fp4_param_fraction": fp4 / _linear_weights(model)}
+            "fp4_param_fraction": fp4 / _linear_weights(model),
+            "flop_fraction": {"fprop": split, "dgrad": split, "wgrad": split}}  # dense: FLOPs go with weights
     assert model.fp4_coverage == coverage(model) == want
 
 
 def test_coverage_of_a_plain_model_and_of_a_bf16_recipe():
     plain = _tiny()
+    all_bf16 = {gemm: {"bf16": 1.0} for gemm in ("fprop", "dgrad", "wgrad")}
     assert coverage(plain) == {"blocks": 2, "bf16_first": None, "bf16_last": None,
-                               "linears": {"fp4": 0, "bf16": 11}, "fp4_param_fraction": 0.0}
+                               "linears": {"fp4": 0, "bf16": 11}, "fp4_param_fraction": 0.0,
+                               "flop_fraction": all_bf16}
     quantize_model(plain, bf16().override({"keep_bf16": []}))  # every linear an FP4Linear running BF16
     assert len(fp4_modules(plain)) == 11
     assert plain.fp4_coverage == {"blocks": 2, "bf16_first": 0, "bf16_last": 0,
-                                  "linears": {"fp4": 0, "bf16": 11}, "fp4_param_fraction": 0.0}
+                                  "linears": {"fp4": 0, "bf16": 11}, "fp4_param_fraction": 0.0,
+                                  "flop_fraction": all_bf16}
 
 
 def test_coverage_counts_expert_weights():
@@ -57,6 +62,21 @@ def test_coverage_counts_expert_weights():
     # block 0 dense (5), block 1: attention (2), shared SwiGLU (3), experts (1); BF16: router, lm_head
     assert cov["linears"] == {"fp4": 11, "bf16": 2} and (cov["bf16_first"], cov["bf16_last"]) == (0, 0)
     assert cov["fp4_param_fraction"] == pytest.approx(fp4 / total)
+    # FLOPs: each token meets top_k of the n_experts experts, and every dense linear once
+    moe = model.blocks[1].ffn
+    routed = expert_weights * moe.cfg.top_k / moe.cfg.n_experts
+    flop_fp4 = (fp4 - expert_weights + routed) / (total - expert_weights + routed)
+    assert cov["flop_fraction"]["wgrad"] == pytest.approx({"bf16": 1 - flop_fp4, "nvfp4": flop_fp4})
+
+
+def test_flop_fraction_follows_each_gemm_of_the_recipe():
+    from fp4lab.nn.recipe import preset
+    model = _tiny(depth=2)
+    quantize_model(model, preset("fprop").override({"keep_bf16": ["lm_head"]}))  # MXFP4 forward only
+    fp4 = _linear_weights(model, lambda n: n.startswith("blocks."))
+    flops = model.fp4_coverage["flop_fraction"]
+    assert flops["fprop"] == pytest.approx({"bf16": 1 - fp4 / _linear_weights(model), "mxfp4": fp4 / _linear_weights(model)})
+    assert flops["dgrad"] == flops["wgrad"] == {"bf16": 1.0}
 
 
 def test_a_bf16_recipe_with_an_embedding_gain_trains_with_it(tmp_path):
