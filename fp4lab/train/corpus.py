@@ -72,7 +72,9 @@ import multiprocessing
 import os
 import shutil
 import site
+import sys
 import sysconfig
+import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -276,19 +278,26 @@ def _documents(path: Path, text: str) -> list[str]:
 
 def _train_tokenizer(files: list[tuple[str, Path]], filters: Filters | None, vocab_size: int, sample_bytes: int):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tqdm import tqdm
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT], show_progress=False,
+    # the trainer's own bars (pre-tokenizing, counting pairs, merges) on a terminal; logs get the lines below
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT], show_progress=sys.stderr.isatty(),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
 
-    def sample():  # an even spread of files up to sample_bytes, in corpus order
-        step = max(1, sum(p.stat().st_size for _, p in files) // max(sample_bytes, 1))
-        for _, path in files[::step]:
+    step = max(1, sum(p.stat().st_size for _, p in files) // max(sample_bytes, 1))
+    chosen = files[::step]  # an even spread of files up to sample_bytes, in corpus order
+
+    def sample():  # the reading and pre-tokenizing, the slow part, happens as the trainer pulls
+        for _, path in tqdm(chosen, desc=f"BPE {vocab_size}: reading the sample", unit="file"):
             text, _ = _read(path, filters)
             if text is not None:
                 yield from _documents(path, text)
+    start = time.perf_counter()
     tok.train_from_iterator(sample(), trainer)
+    print(f"BPE {vocab_size}: {len(chosen)} files sampled, merges learned in {time.perf_counter() - start:.0f} s",
+          file=sys.stderr, flush=True)
     return tok
 
 
