@@ -8,7 +8,7 @@ arm's gap to BF16 (same seed) inside that band is "not resolved"; only a gap bey
 which way the format pushed. A demo this short resolves little: the studies (``fp4lab study
 fidelity``) are where 3 seeds and 95% intervals answer the question.
 
-On a CPU (about 5 minutes on 2 idle cores; the runs go two at a time, one thread each, which
+On a CPU (about 4 minutes on 2 idle cores; the runs go two at a time, one thread each, which
 measured faster than one after another with two threads): the "tiny" GPT (2 blocks, D = 128,
 too shallow for a BF16 block) on a 4 MB prefix of the standard-library corpus with a 4096-entry
 BPE, 80 steps of 16 x 128 tokens. On a GPU: the "d6"

@@ -48,6 +48,19 @@ def test_e2m1_random_fp32_matches_the_oracle():
     assert C.encode_e2m1(x).tolist() == [oracle.e2m1(v) for v in x.tolist()]
 
 
+def test_e2m1_comparison_rtne_equals_the_integer_rounding():
+    # the RTNE path counts midpoints in fp32; the integer path is the generic minifloat rounding
+    # that stochastic rounding and E4M3 share: the same codes at and beside every midpoint
+    mids = torch.tensor([m for m, _ in C._E2M1_MIDPOINTS] + [6.0, 0.0, 2.0**-126, 2.0**-149, 1e38])
+    near = torch.cat([mids, torch.nextafter(mids, torch.tensor(math.inf)), torch.nextafter(mids, torch.tensor(0.0))])
+    all_fp16 = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    for x in (torch.cat([near, -near, torch.tensor([math.inf, -math.inf, math.nan, -0.0])]), all_fp16, ALL_BF16):
+        bits = C._fp32_bits(x)
+        mag = bits & 0x7FFFFFFF
+        integer = torch.where(mag > 0x7F800000, 0x7, C._encode_magnitude(mag, C._E2M1, None) | ((bits >> 31) << 3))
+        assert torch.equal(C.encode_e2m1(x), integer.to(torch.uint8))
+
+
 def test_e2m1_stochastic_probability_is_exact_over_all_256_random_bytes():
     # every bf16 magnitude in [0, 6]: count of r in 0..255 that round up must be ceil(256 * frac)
     mags = ALL_BF16.float()
