@@ -37,6 +37,8 @@ NOISE_SEED = 1
 """The second BF16 seed, whose distance from seed 0 is the noise band."""
 CPU = TrainConfig(model="tiny", data="stdlib", data_max_bytes=4_000_000, vocab_size=4096, steps=80,
                   batch_size=16, seq_len=128, lr=3e-3, warmup=10, eval_every=20, eval_batches=8)
+CPU_MINUTES = 4
+"""The CPU demo's wall time on 2 idle cores, corpus build included (239 s, 2026-11-23)."""
 GPU = TrainConfig(model="d6", data="code", vocab_size=8192, steps=400, batch_size=32, seq_len=512,
                   lr=2e-3, warmup=40, eval_every=50, eval_batches=16)
 
@@ -88,6 +90,9 @@ def run_demo(out: Path, *, arms=ARMS, gpu: bool | None = None, **changes) -> tup
     for cfg in configs:
         print(f"training {cfg.recipe} seed {cfg.seed} ({cfg.model}, {cfg.steps} steps of {cfg.batch_size} x "
               f"{cfg.seq_len} tokens)", flush=True)
+    if not gpu and configs[0].steps == CPU.steps:  # the measured default (README, 2026-11-23)
+        print(f"expected: about {CPU_MINUTES} minutes on 2 idle CPU cores, the first time with the corpus build; "
+              "longer on a busy machine", flush=True)
     if gpu or (os.cpu_count() or 1) < 2:
         for cfg in configs:
             train(cfg, overwrite=True)
