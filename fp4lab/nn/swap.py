@@ -122,11 +122,11 @@ def coverage(model: nn.Module) -> dict[str, Any]:
     share = {id(m.experts): m.cfg.top_k / m.cfg.n_experts for m in model.modules() if isinstance(m, MoE)}
     for module in model.modules():
         if isinstance(module, nn.Linear) or hasattr(module, "use_recipe"):
-            kind = "fp4" if _runs_fp4(module) else "bf16"
+            kind, numel = "fp4" if _runs_fp4(module) else "bf16", _weight_numel(module)
             linears[kind] += 1
-            weights[kind] += _weight_numel(module)
+            weights[kind] += numel
             # a linear's GEMMs cost 2 x weight elements per token it sees; an expert sees top_k/E of them
-            cost = _weight_numel(module) * share.get(id(module), 1.0)
+            cost = numel * share.get(id(module), 1.0)
             for gemm in GEMMS:
                 fmt = _gemm_format(getattr(module, "recipe", None), gemm)
                 flops[gemm][fmt] = flops[gemm].get(fmt, 0.0) + cost

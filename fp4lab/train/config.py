@@ -4,8 +4,9 @@ A config comes from Python, a TOML file (``fp4lab train --config``) or ``--set k
 pairs (``with_overrides``), so a value may arrive with the wrong type (``--set steps=abc``).
 Each field is checked against its annotation and its range when the config is built: a wrong
 type or value is a ValueError naming the setting and what it must be, before any data is read
-(an int is taken where a float is due; a bool is never taken as a number). ``model`` must name a preset and ``model_overrides`` are checked the same way
-against nn.ModelConfig's fields.
+(an int is taken where a float is due; a bool is never taken as a number). ``model`` must name
+a preset, ``model_overrides`` are checked the same way against nn.ModelConfig's fields, and the
+optimizers and schedule against train.optim's.
 
 Public: ``TrainConfig``, ``check_types``.
 """
@@ -88,10 +89,12 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and not allowed(value):
                 raise ValueError(f"training setting {name}={value!r} must be {rule}")
-        if self.dense_opt not in _OPTIMIZERS or self.expert_opt not in _OPTIMIZERS:
-            raise ValueError(f"dense_opt and expert_opt must be one of {', '.join(_OPTIMIZERS)}, "
+        # imported here (torch): what a config names is checked where it is made, so a file's error names the file
+        from ..nn.model import MODEL_PRESETS, ModelConfig
+        from .optim import OPTIMIZERS, SCHEDULES
+        if self.dense_opt not in OPTIMIZERS or self.expert_opt not in OPTIMIZERS:
+            raise ValueError(f"dense_opt and expert_opt must be one of {', '.join(OPTIMIZERS)}, "
                              f"got {self.dense_opt!r}, {self.expert_opt!r}")
-        from ..nn.model import MODEL_PRESETS, ModelConfig  # here, so a config file's error names the file
         if self.model not in MODEL_PRESETS:
             raise ValueError(f"training setting model={self.model!r} must be one of {', '.join(MODEL_PRESETS)}")
         unknown = set(self.model_overrides) - set(field_types(ModelConfig))
@@ -99,8 +102,8 @@ class TrainConfig:
             raise ValueError(f"unknown model setting {', '.join(sorted(unknown))}; "
                              f"fields: {', '.join(field_types(ModelConfig))}")
         check_types(self.model_overrides, ModelConfig, what="model setting")
-        if self.schedule not in _SCHEDULES:
-            raise ValueError(f"training setting schedule={self.schedule!r} must be one of {', '.join(_SCHEDULES)}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"training setting schedule={self.schedule!r} must be one of {', '.join(SCHEDULES)}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -141,12 +144,12 @@ _RANGES = {"steps": _counts, "batch_size": _counts, "grad_accum": _counts, "seq_
            "vocab_size": _counts, "data_max_bytes": _counts, "eval_batches": _counts, "log_every": _counts,
            "stop_at": _counts, "lr": _positive, "embed_lr": _positive, "muon_lr": _positive,
            "diverge_loss": _positive, "weight_decay": _off_or_count, "final_lr": _off_or_count,
-           "clip": _off_or_count, "warmup": (_at_least(0), "0 or more"), "threads": (_at_least(0), "0 (all cores) or more"),
-           "eval_every": (_at_least(0), "0 (only at the end) or more"), "ckpt_every": (_at_least(0), "0 (only at the end) or more"),
+           "clip": _off_or_count, "warmup": (_at_least(0), "0 or more"),
+           "threads": (_at_least(0), "0 (all cores) or more"),
+           "eval_every": (_at_least(0), "0 (only at the end) or more"),
+           "ckpt_every": (_at_least(0), "0 (only at the end) or more"),
            "stiction_every": _off_or_count, "seed": (lambda v: 0 <= v < 2**63, "in [0, 2**63)"),
            "val_fraction": (lambda v: 0 < v < 1, "between 0 and 1 (exclusive)")}
-_OPTIMIZERS = ("adamw", "muon")
-_SCHEDULES = ("cosine", "wsd")
 
 
 def check_types(values: dict[str, Any], cls: type, *, what: str) -> None:

@@ -14,7 +14,7 @@ Schedules (a multiplier of the base learning rate at step s of n):
     cosine  linear warmup, then cosine from 1 down to ``final``
     wsd     linear warmup, constant, then a linear decay to ``final`` over the last ``decay`` fraction
 
-Public: ``Muon``, ``lanes``, ``build_optimizers``, ``lr_multiplier``.
+Public: ``Muon``, ``lanes``, ``build_optimizers``, ``lr_multiplier``, ``OPTIMIZERS``, ``SCHEDULES``.
 """
 
 from __future__ import annotations
@@ -25,6 +25,10 @@ import torch
 from torch import nn
 
 LANES = ("dense", "expert", "embed")
+OPTIMIZERS = ("adamw", "muon")
+"""What the dense and expert lanes take."""
+SCHEDULES = ("cosine", "wsd")
+"""The learning-rate schedules lr_multiplier knows."""
 
 
 def _newton_schulz(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
@@ -88,8 +92,8 @@ def build_optimizers(model: nn.Module, *, lr: float, weight_decay: float = 0.0, 
     groups = lanes(model)
     choice = {"dense": dense, "expert": expert, "embed": "adamw"}
     for lane, kind in choice.items():
-        if kind not in ("adamw", "muon"):
-            raise ValueError(f"{lane} optimizer must be 'adamw' or 'muon', got {kind!r}")
+        if kind not in OPTIMIZERS:
+            raise ValueError(f"{lane} optimizer must be one of {', '.join(OPTIMIZERS)}, got {kind!r}")
     adam_groups, muon_groups = [], []
     for lane in LANES:
         if not groups[lane]:
@@ -122,4 +126,4 @@ def lr_multiplier(step: int, total: int, *, warmup: int, schedule: str = "cosine
         if step < start:
             return 1.0
         return 1 - (1 - final) * min(1.0, (step - start) / max(1.0, total - start))
-    raise ValueError(f"unknown schedule {schedule!r}; expected 'cosine' or 'wsd'")
+    raise ValueError(f"unknown schedule {schedule!r}; expected one of {', '.join(SCHEDULES)}")
