@@ -9,8 +9,10 @@
 #   corpus                  build the "code" corpus; its size and build time -> runs/gpu/corpus.json
 #   study:NAME[:ARM,ARM]    fp4lab study NAME at $SCALE (default gpu-medium), $JOBS runs at once;
 #                           finished runs are skipped, stopped ones resume from their checkpoint
-#   sweep:MODEL:LRS:TOKENS  BF16 seed spread: MODEL at each learning rate (comma list), seeds 0 1 2,
-#                           TOKENS million tokens each, $JOBS at once (the stable-baseline sweep)
+#   sweep:MODEL:LRS:TOKENS[:TAG:KEY=VALUE,...]
+#                           BF16 seed spread: MODEL at each learning rate (comma list), seeds 0 1 2,
+#                           TOKENS million tokens each, $JOBS at once (the stable-baseline sweep);
+#                           a TAG names a variant with extra --set values (e.g. qk:model.qk_norm=true)
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 FP4LAB_CACHE=${FP4LAB_CACHE:-/tmp/fp4lab-cache} OMP_NUM_THREADS=1
 OUT=${OUT:-/tmp/out}
@@ -18,17 +20,19 @@ ROOT=runs/gpu
 mkdir -p "$ROOT"
 quiet() { grep --line-buffered -v -E "it/s|s/it|step/s|s/step|file/s|run/s|s/run"; }
 
-sweep() {  # MODEL LRS TOKENS
-  local model=$1 lrs=$2 millions=$3 batch=64 seq=512 warmup=100
-  [ "$model" = d12 ] && { batch=32; seq=1024; }
+sweep() {  # MODEL LRS TOKENS [TAG SETS]
+  local model=$1 lrs=$2 millions=$3 tag=${4:-} sets="" batch=64 seq=512 warmup=200 dir
+  [ "$model" = d12 ] && { batch=32; seq=1024; warmup=150; }
+  [ -n "${5:-}" ] && sets=$(printf -- '--set %s ' ${5//,/ })
+  dir=$ROOT/sweep-$model${tag:+-$tag}
   local steps=$(( millions * 1000000 / (batch * seq) ))
   for lr in ${lrs//,/ }; do for seed in 0 1 2; do
     echo "--model $model --data code --recipe bf16 --steps $steps --set batch_size=$batch --set seq_len=$seq \
       --set lr=$lr --set warmup=$warmup --set eval_every=$(( steps / 4 )) --set seed=$seed --set progress=false \
-      --out $ROOT/sweep-$model/lr$lr-seed$seed"
+      $sets--out $dir/lr$lr-seed$seed"
   done; done | xargs -P "${JOBS:-3}" -L 1 bash -c \
       'out=${@: -1}; [ -f "$out/receipt.json" ] || python3 -m fp4lab train "$@" 2>&1 | tail -1' _
-  python3 -m fp4lab report "$ROOT"/sweep-"$model"/lr*-seed* --out "$ROOT/sweep-$model" --title "BF16 seed spread, $model" \
+  python3 -m fp4lab report "$dir"/lr*-seed* --out "$dir" --title "BF16 seed spread, $model ${tag:-}" \
     | grep -E "^\| lr" | head -20
 }
 
@@ -40,7 +44,7 @@ run_phases() {
       study:*) IFS=: read -r _ name arms <<< "$phase"
                python3 -m fp4lab study "$name" --scale "${SCALE:-gpu-medium}" --jobs "${JOBS:-6}" --out "$ROOT/$name" \
                  ${arms:+--arms ${arms//,/ }} 2>&1 | quiet | grep -v "^|" ;;
-      sweep:*) IFS=: read -r _ model lrs millions <<< "$phase"; sweep "$model" "$lrs" "$millions" ;;
+      sweep:*) IFS=: read -r _ model lrs millions tag sets <<< "$phase"; sweep "$model" "$lrs" "$millions" "$tag" "$sets" ;;
       *) echo "unknown phase $phase" ;;
     esac
   done

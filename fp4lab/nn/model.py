@@ -49,6 +49,9 @@ class ModelConfig:
     """Set to make the feed-forward of blocks >= dense_first a Mixture of Experts."""
     dense_first: int = 1
     """MoE models: the first N blocks keep a dense feed-forward (DeepSeek-V3 style)."""
+    qk_norm: bool = False
+    """RMS-normalise each head's queries and keys before RoPE (parameter-free): bounds the attention
+    logits, which lets training tolerate larger steps and makes seeds agree more closely."""
 
     def __post_init__(self) -> None:
         if isinstance(self.moe, dict):
@@ -125,13 +128,15 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.n_heads = cfg.n_heads
+        self.n_heads, self.qk_norm = cfg.n_heads, cfg.qk_norm
         self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim, bias=False)
         self.proj = nn.Linear(cfg.dim, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
         q, k, v = self.qkv(x).view(b, t, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
+        if self.qk_norm:
+            q, k = _rms(q), _rms(k)
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, H, T, hd]
         return self.proj(y.transpose(1, 2).reshape(b, t, d))

@@ -161,3 +161,31 @@ def test_presets_are_sized_as_documented():
 def test_too_long_sequences_are_rejected():
     with pytest.raises(ValueError, match="longer than the model's seq_len"):
         _model()(torch.zeros(1, 65, dtype=torch.long))
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_qk_norm_makes_attention_blind_to_the_scale_of_queries_and_keys(qk_norm):
+    # scaling the q and k rows of qkv changes the logits' temperature unless each head is normalised
+    model = _model(qk_norm=qk_norm).double()
+    idx, _ = _batch()
+    before = model(idx)
+    d = model.cfg.dim
+    with torch.no_grad():
+        for block in model.blocks:
+            block.attn.qkv.weight[: 2 * d] *= 7.0
+    after = model(idx)
+    assert torch.allclose(before, after, atol=1e-9) == qk_norm
+
+
+def test_qk_norm_model_trains():
+    model = _model(qk_norm=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    idx, tgt = _batch()
+    first = None
+    for _ in range(20):
+        loss = model(idx, tgt)
+        first = first if first is not None else loss.item()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss.item() < first - 0.5
