@@ -29,10 +29,10 @@ sweep() {  # MODEL LRS TOKENS [TAG SETS]
   for lr in ${lrs//,/ }; do for seed in 0 1 2; do
     echo "--model $model --data code --recipe bf16 --steps $steps --set batch_size=$batch --set seq_len=$seq \
       --set lr=$lr --set warmup=$warmup --set eval_every=$(( steps / 4 )) --set seed=$seed --set progress=false \
-      $sets--out $dir/lr$lr-seed$seed"
+      $sets--out $dir/${tag:+$tag-}lr$lr-seed$seed"
   done; done | xargs -P "${JOBS:-3}" -L 1 bash -c \
       'out=${@: -1}; [ -f "$out/receipt.json" ] || python3 -m fp4lab train "$@" 2>&1 | tail -1' _
-  python3 -m fp4lab report "$dir"/lr*-seed* --out "$dir" --title "BF16 seed spread, $model ${tag:-}" \
+  python3 -m fp4lab report "$dir"/*-seed* --out "$dir" --title "BF16 seed spread, $model ${tag:-}" \
     | grep -E "^\| lr" | head -20
 }
 
