@@ -33,7 +33,7 @@ sweep() {  # MODEL LRS TOKENS [TAG SETS]
   done; done | xargs -P "${JOBS:-3}" -L 1 bash -c \
       'out=${@: -1}; [ -f "$out/receipt.json" ] || python3 -m fp4lab train "$@" 2>&1 | tail -1' _
   python3 -m fp4lab report "$dir"/*-seed* --out "$dir" --title "BF16 seed spread, $model ${tag:-}" \
-    | grep -E "^\| lr" | head -20
+    | grep -E "^\| " | head -20
 }
 
 run_phases() {
