@@ -26,7 +26,11 @@ quant.run_gemm per pair (kernels.values_mm for two FP4 operands). Groups without
 the step ``tick`` (seeds stochastic rounding, random signs and dither, so a resumed run replays
 exactly), the training ``progress`` (for ``bf16_after``), and operand statistics collection.
 
-Public: ``QuantContext``, ``Call``, ``make_call``, ``layer_key``, ``compute_dtype``, ``fp4_gemms``.
+``gemms_forward`` and ``gemms_backward`` are the two halves, shared by the autograd function here
+and the custom ops of nn.ops (what torch.compile traces).
+
+Public: ``QuantContext``, ``Call``, ``make_call``, ``call_at``, ``layer_key``, ``compute_dtype``,
+``gemms_forward``, ``gemms_backward``, ``fp4_gemms``.
 """
 
 from __future__ import annotations
@@ -62,6 +66,18 @@ class QuantContext:
     """Data-parallel rank. Ranks > 0 fold it into every seed: with one stream on all ranks, the
     stochastic-rounding noise of their gradient shards would be correlated, and DDP's average
     would not shrink it as a single GPU's larger batch does. Rank 0 keeps single-GPU seeds."""
+    clock: torch.Tensor = field(init=False, repr=False, compare=False)
+    """[tick, progress] as a float64 CPU tensor, kept equal to the two fields: what the custom ops
+    read, so a compiled model sees a tensor that changes rather than Python numbers to guard on
+    (and recompile for) at every step. Exact for ticks below 2**53."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "clock", torch.tensor([float(self.tick), float(self.progress)], dtype=torch.float64))
+
+    def __setattr__(self, name: str, value) -> None:
+        object.__setattr__(self, name, value)
+        if name in ("tick", "progress") and "clock" in self.__dict__:
+            self.clock[0 if name == "tick" else 1] = float(value)
 
 
 @dataclass(frozen=True)
@@ -97,6 +113,7 @@ class Call:
                 and d.a.quantized and self.stats is None)
 
 
+@torch.compiler.assume_constant_result  # a constant per layer: torch.compile folds it instead of tracing crc32
 def layer_key(name: str) -> int:
     """A stable integer per module name: seeds differ per layer and survive reordering."""
     return zlib.crc32(name.encode())
@@ -104,9 +121,15 @@ def layer_key(name: str) -> int:
 
 def make_call(recipe: Recipe, name: str, context: QuantContext) -> Call:
     """The Call of layer ``name`` at the context's tick (the recipe in force at its progress)."""
-    parts = (recipe.seed, layer_key(name), context.tick) + ((context.rank,) if context.rank else ())
-    return Call(recipe=recipe.at_progress(context.progress), name=name, root=derive_seed(*parts),
-                stats=context.stats if context.collect else None)
+    return call_at(recipe, layer_key(name), context.tick, context.progress, context.rank, name=name,
+                   stats=context.stats if context.collect else None)
+
+
+def call_at(recipe: Recipe, layer: int, tick: int, progress: float, rank: int, *, name: str = "",
+            stats: dict[str, dict[str, float]] | None = None) -> Call:
+    """The Call of the layer keyed ``layer`` at ``tick`` and ``progress``, on data-parallel ``rank``."""
+    parts = (recipe.seed, layer, tick) + ((rank,) if rank else ())
+    return Call(recipe=recipe.at_progress(progress), name=name, root=derive_seed(*parts), stats=stats)
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -133,69 +156,94 @@ def _multiply(a: list, a_axis: int, b: list, b_axis: int, grouped: bool, shape: 
     return out[0] if len(out) == 1 else torch.cat(out)
 
 
+def gemms_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int],
+                  calls: list[Call], grouped: bool, *, keep: bool = False) -> tuple[torch.Tensor, dict]:
+    """fprop -> (y, what backward may reuse: with ``keep``, dithered weights and fprop's weight
+    operands when dgrad can multiply them transposed)."""
+    # x: [S, K], weight: [G, N, K], bias: [N] | None (dense only) -> y: [S, N]
+    live = _live(sizes, grouped)
+    xs = x.split([sizes[g] for g in live]) if grouped else [x]
+    w_src = [calls[g].weight_source(weight[g]) for g in live]
+    fprop = calls[0].recipe.fprop
+    # ---- fprop: y = x @ W^T, contraction over K
+    w_fprop = None
+    if fprop.quantized or fprop.rotated:
+        w_fprop = [calls[g].operand(w, 1, "fprop", "b") for g, w in zip(live, w_src)]
+        a = [calls[g].operand(xg, 1, "fprop", "a") for g, xg in zip(live, xs)]
+        y = _multiply(a, 1, w_fprop, 1, grouped, (x.shape[0], weight.shape[1]), x)
+        y = y if bias is None else y + bias
+    elif grouped:
+        y = torch.cat([F.linear(xg, w) for xg, w in zip(xs, w_src)]) if live else x.new_zeros(
+            x.shape[0], weight.shape[1])
+    else:
+        y = F.linear(x, w_src[0], bias)
+    saved = {}
+    if keep:
+        saved["w_src"] = w_src if fprop.b.dither else None  # dithered copies (else weight[g] itself)
+        saved["w_values"] = w_fprop if w_fprop is not None and calls[0].dgrad_reuses_fprop_weight() else None
+    return y, saved
+
+
+def gemms_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, sizes: list[int], calls: list[Call],
+                   grouped: bool, *, need_dx: bool, need_dw: bool, saved: dict | None = None
+                   ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """dgrad and wgrad -> (dx [S, K] or None, dW [G, N, K] or None); ``saved`` is what
+    gemms_forward kept (without it, dithered weights are made again from their seeds)."""
+    saved = saved or {}
+    live = _live(sizes, grouped)
+    w_src = saved.get("w_src") or [calls[g].weight_source(weight[g]) for g in live]
+    w_values = saved.get("w_values")
+    rows = [sizes[g] for g in live]
+    xs, dys = (x.split(rows), dy.split(rows)) if grouped else ([x], [dy])
+    dgrad, wgrad = calls[0].recipe.dgrad, calls[0].recipe.wgrad
+    dx = dw = None
+    # ---- dgrad: dx = dy @ W, contraction over N
+    if need_dx:
+        if dgrad.quantized or dgrad.rotated:
+            k = weight.shape[2]
+            w_ops = ([v.transposed(k) for v in w_values] if w_values is not None
+                     else [calls[g].operand(w, 0, "dgrad", "b") for g, w in zip(live, w_src)])
+            a = [calls[g].operand(dyg, 1, "dgrad", "a") for g, dyg in zip(live, dys)]
+            dx = _multiply(a, 1, w_ops, 0, grouped, tuple(x.shape), dy)
+        else:
+            dx = torch.cat([dyg.mm(weight[g]) for g, dyg in zip(live, dys)]) if live else torch.zeros_like(x)
+    # ---- wgrad: dW = dy^T @ x, contraction over the group's tokens
+    if need_dw:
+        dw = torch.zeros_like(weight) if grouped else None
+        for g, dyg, xg in zip(live, dys, xs):
+            if wgrad.quantized or wgrad.rotated:
+                dy_m, x_m = _pad_rows(dyg), _pad_rows(xg)
+                dw_g = run_gemm(calls[g].operand(dy_m, 0, "wgrad", "a"), 0, calls[g].operand(x_m, 0, "wgrad", "b"),
+                                0, dy.dtype)
+            else:
+                dw_g = dyg.t().mm(xg)
+            if grouped:
+                dw[g] = dw_g
+            else:
+                dw = dw_g[None]
+    return dx, dw
+
+
+def _live(sizes: list[int], grouped: bool) -> list[int]:
+    """The groups with rows (a dense layer's one group always counts)."""
+    return [g for g, rows in enumerate(sizes) if rows or not grouped]
+
+
 class _FP4GemmsFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int],
                 calls: list[Call], grouped: bool):
-        # x: [S, K], weight: [G, N, K], bias: [N] | None (dense only) -> y: [S, N]
-        live = [g for g, rows in enumerate(sizes) if rows or not grouped]
-        xs = x.split([sizes[g] for g in live]) if grouped else [x]
-        w_src = [calls[g].weight_source(weight[g]) for g in live]
-        fprop = calls[0].recipe.fprop
-        # ---- fprop: y = x @ W^T, contraction over K
-        w_fprop = None
-        if fprop.quantized or fprop.rotated:
-            w_fprop = [calls[g].operand(w, 1, "fprop", "b") for g, w in zip(live, w_src)]
-            a = [calls[g].operand(xg, 1, "fprop", "a") for g, xg in zip(live, xs)]
-            y = _multiply(a, 1, w_fprop, 1, grouped, (x.shape[0], weight.shape[1]), x)
-            y = y if bias is None else y + bias
-        elif grouped:
-            y = torch.cat([F.linear(xg, w) for xg, w in zip(xs, w_src)]) if live else x.new_zeros(
-                x.shape[0], weight.shape[1])
-        else:
-            y = F.linear(x, w_src[0], bias)
+        y, ctx.saved = gemms_forward(x, weight, bias, sizes, calls, grouped, keep=ctx.needs_input_grad[0])
         ctx.save_for_backward(x, weight)
-        ctx.sizes, ctx.calls, ctx.live, ctx.grouped, ctx.has_bias = sizes, calls, live, grouped, bias is not None
-        ctx.w_src = w_src if fprop.b.dither else None  # dithered copies (else weight[g] itself)
-        reuse = w_fprop is not None and calls[0].dgrad_reuses_fprop_weight() and ctx.needs_input_grad[0]
-        ctx.w_values = w_fprop if reuse else None
+        ctx.sizes, ctx.calls, ctx.grouped, ctx.has_bias = sizes, calls, grouped, bias is not None
         return y
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         x, weight = ctx.saved_tensors
-        calls, live, grouped = ctx.calls, ctx.live, ctx.grouped
-        w_src = ctx.w_src if ctx.w_src is not None else [weight[g] for g in live]
-        rows = [ctx.sizes[g] for g in live]
-        xs, dys = (x.split(rows), dy.split(rows)) if grouped else ([x], [dy])
-        dgrad, wgrad = calls[0].recipe.dgrad, calls[0].recipe.wgrad
-        dx = dw = db = None
-        # ---- dgrad: dx = dy @ W, contraction over N
-        if ctx.needs_input_grad[0]:
-            if dgrad.quantized or dgrad.rotated:
-                k = weight.shape[2]
-                w_ops = ([v.transposed(k) for v in ctx.w_values] if ctx.w_values is not None
-                         else [calls[g].operand(w, 0, "dgrad", "b") for g, w in zip(live, w_src)])
-                a = [calls[g].operand(dyg, 1, "dgrad", "a") for g, dyg in zip(live, dys)]
-                dx = _multiply(a, 1, w_ops, 0, grouped, tuple(x.shape), dy)
-            else:
-                dx = torch.cat([dyg.mm(weight[g]) for g, dyg in zip(live, dys)]) if live else torch.zeros_like(x)
-        # ---- wgrad: dW = dy^T @ x, contraction over the group's tokens
-        if ctx.needs_input_grad[1]:
-            dw = torch.zeros_like(weight) if grouped else None
-            for g, dyg, xg in zip(live, dys, xs):
-                if wgrad.quantized or wgrad.rotated:
-                    dy_m, x_m = _pad_rows(dyg), _pad_rows(xg)
-                    dw_g = run_gemm(calls[g].operand(dy_m, 0, "wgrad", "a"), 0, calls[g].operand(x_m, 0, "wgrad", "b"),
-                                    0, dy.dtype)
-                else:
-                    dw_g = dyg.t().mm(xg)
-                if grouped:
-                    dw[g] = dw_g
-                else:
-                    dw = dw_g[None]
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            db = dy.sum(0)
+        dx, dw = gemms_backward(dy, x, weight, ctx.sizes, ctx.calls, ctx.grouped, need_dx=ctx.needs_input_grad[0],
+                                need_dw=ctx.needs_input_grad[1], saved=ctx.saved)
+        db = dy.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return dx, dw, db, None, None, None
 
 

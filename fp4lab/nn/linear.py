@@ -3,7 +3,8 @@
     fp4_linear           x: [..., K], W: [N, K]            one layer (FP4Linear's forward)
     grouped_fp4_linear   x: [S, K] sorted by expert, W: [E, N, K]   an MoE projection
 
-Both make the operands of nn.gemms.fp4_gemms, the one three-GEMM body; a grouped projection's
+Both make the operands of nn.gemms.fp4_gemms, the one three-GEMM body (through the custom ops of
+nn.ops when torch.compile traces them); a grouped projection's
 expert e is the layer f"{name}.{e}.{label}", with that layer's seeds and tensor scales, so it
 computes what a loop of fp4_linear calls over the experts would (fprop and dgrad of all experts
 in one launch on the Triton backend). Master weights stay in their dtype (FP32); the GEMMs run
@@ -23,6 +24,7 @@ from torch import nn
 
 from ..formats import FP4Tensor
 from .gemms import QuantContext, compute_dtype, fp4_gemms, layer_key, make_call
+from .ops import fp4_gemms_op
 from .recipe import Recipe
 
 __all__ = ["QuantContext", "FP4Linear", "fp4_linear", "grouped_fp4_linear", "fprop_weight", "layer_key",
@@ -46,9 +48,12 @@ def fp4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     context = context or QuantContext()
     dtype = compute_dtype(x)
     x2d = x.reshape(-1, x.shape[-1]).to(dtype)
+    w, b = weight.to(dtype)[None], None if bias is None else bias.to(dtype)
     with torch.autocast(x.device.type, enabled=False):
-        y = fp4_gemms(x2d, weight.to(dtype)[None], None if bias is None else bias.to(dtype), [x2d.shape[0]],
-                      [make_call(recipe, name, context)], grouped=False)
+        if _traced(context):
+            y = fp4_gemms_op(x2d, w, b, [x2d.shape[0]], [layer_key(name)], recipe, context, grouped=False)
+        else:
+            y = fp4_gemms(x2d, w, b, [x2d.shape[0]], [make_call(recipe, name, context)], grouped=False)
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
@@ -59,10 +64,19 @@ def grouped_fp4_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int],
     if x.shape[-1] != weight.shape[-1] or len(counts) != weight.shape[0] or sum(counts) != x.shape[0]:
         raise ValueError(f"x {tuple(x.shape)} with counts {list(counts)} does not match weight {tuple(weight.shape)}")
     dtype = compute_dtype(x)
-    calls = [make_call(recipe, f"{name}.{e}.{label}" if label else f"{name}.{e}", context)
-             for e in range(weight.shape[0])]
+    names = [f"{name}.{e}.{label}" if label else f"{name}.{e}" for e in range(weight.shape[0])]
     with torch.autocast(x.device.type, enabled=False):
-        return fp4_gemms(x.to(dtype), weight.to(dtype), None, counts, calls, grouped=True)
+        if _traced(context):
+            return fp4_gemms_op(x.to(dtype), weight.to(dtype), None, counts, [layer_key(n) for n in names], recipe,
+                                context, grouped=True)
+        return fp4_gemms(x.to(dtype), weight.to(dtype), None, counts, [make_call(recipe, n, context) for n in names],
+                         grouped=True)
+
+
+def _traced(context: QuantContext) -> bool:
+    """Under torch.compile the GEMMs go through the custom ops of nn.ops (operand statistics, a
+    Python side effect, stay eager)."""
+    return torch.compiler.is_compiling() and not context.collect
 
 
 class FP4Linear(nn.Linear):

@@ -76,7 +76,8 @@ class TrainConfig:
     diverge_loss: float = 20.0
     seed: int = 0
     compile: bool = False
-    """torch.compile the model (CUDA; the FP4 layers' Triton calls run outside the graph)."""
+    """torch.compile the model: the FP4 GEMMs are custom ops (nn.ops), so a dense model is one graph
+    that serves every step without recompiling; MoE routing breaks it at the per-expert counts."""
     progress: bool = True
     stiction_every: int = 0
     """Every N steps, measure the fraction of FP4 weight codes each optimizer step flips

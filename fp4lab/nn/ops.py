@@ -1,0 +1,102 @@
+"""The three GEMMs of nn.gemms as PyTorch custom ops: what torch.compile traces.
+
+The autograd function of nn.gemms holds Python objects (the layer's Calls, operand block
+values) that dynamo cannot put in a graph, so a compiled FP4 model used to break its graph at
+every FP4 layer. Here the same two halves, ``gemms_forward`` and ``gemms_backward``, run inside
+two opaque ops whose arguments are all graph-friendly:
+
+    fp4lab::gemms           (x, weight, bias, sizes, layers, recipe, clock, rank, grouped) -> y
+    fp4lab::gemms_backward  (dy, x, weight, ...same..., need_dx, need_dw) -> (dx, dw)
+
+``layers`` are the layers' integer keys (gemms.layer_key, folded to constants when compiling),
+``recipe`` a recipe's index in a registry of this process, ``clock`` the QuantContext's
+[tick, progress] tensor: the step changes a tensor's value, not a Python number dynamo would
+guard on, so the compiled graph serves every step without recompiling. Each op rebuilds the Calls
+from them (gemms.call_at), so its results are bit-identical to the eager path's (tested).
+
+Differences from the eager path, both costs rather than results: dgrad quantizes the weight again
+where eager multiplies fprop's block values transposed (the same values, tested in nn.gemms), and
+a dithered weight is dithered again in backward (the same seed). Operand statistics (a Python
+side effect) are not collected here: layers with ``context.collect`` take the eager path.
+
+Public: ``register_recipe``, ``fp4_gemms_op``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .gemms import QuantContext, call_at, gemms_backward, gemms_forward
+from .recipe import Recipe
+
+_RECIPES: list[Recipe] = []
+
+
+@torch.compiler.assume_constant_result  # a constant per recipe: compiled graphs carry the index
+def register_recipe(recipe: Recipe) -> int:
+    """-> the index of ``recipe`` in this process's registry (added on first sight)."""
+    for i, known in enumerate(_RECIPES):
+        if known is recipe or known == recipe:
+            return i
+    _RECIPES.append(recipe)
+    return len(_RECIPES) - 1
+
+
+def _calls(layers: list[int], recipe: int, clock: torch.Tensor, rank: int):
+    tick, progress = clock.tolist()
+    return [call_at(_RECIPES[recipe], layer, int(tick), progress, rank) for layer in layers]
+
+
+@torch.library.custom_op("fp4lab::gemms", mutates_args=())
+def _gemms(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int], layers: list[int],
+           recipe: int, clock: torch.Tensor, rank: int, grouped: bool) -> torch.Tensor:
+    y, _ = gemms_forward(x, weight, bias, sizes, _calls(layers, recipe, clock, rank), grouped)
+    return y
+
+
+@_gemms.register_fake
+def _(x, weight, bias, sizes, layers, recipe, clock, rank, grouped):
+    return x.new_empty(x.shape[0], weight.shape[1])
+
+
+@torch.library.custom_op("fp4lab::gemms_backward", mutates_args=())
+def _gemms_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, sizes: list[int], layers: list[int],
+                    recipe: int, clock: torch.Tensor, rank: int, grouped: bool, need_dx: bool,
+                    need_dw: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    dx, dw = gemms_backward(dy, x, weight, sizes, _calls(layers, recipe, clock, rank), grouped,
+                            need_dx=need_dx, need_dw=need_dw)
+    # an op returns tensors, never None: an empty one stands for a gradient not asked for
+    return (dx if dx is not None else x.new_empty(0)), (dw if dw is not None else weight.new_empty(0))
+
+
+@_gemms_backward.register_fake
+def _(dy, x, weight, sizes, layers, recipe, clock, rank, grouped, need_dx, need_dw):
+    return (torch.empty_like(x) if need_dx else x.new_empty(0)), (torch.empty_like(weight) if need_dw
+                                                                   else weight.new_empty(0))
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, weight, bias, sizes, layers, recipe, clock, rank, grouped = inputs
+    ctx.save_for_backward(x, weight, clock.clone())  # the trainer may move the clock before backward
+    ctx.args = (sizes, layers, recipe, rank, grouped)
+    ctx.has_bias = bias is not None
+
+
+def _backward(ctx, dy: torch.Tensor):
+    x, weight, clock = ctx.saved_tensors
+    sizes, layers, recipe, rank, grouped = ctx.args
+    need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    dx, dw = torch.ops.fp4lab.gemms_backward(dy, x, weight, sizes, layers, recipe, clock, rank, grouped,
+                                             need_dx, need_dw)
+    db = dy.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+    return (dx if need_dx else None), (dw if need_dw else None), db, None, None, None, None, None, None
+
+
+_gemms.register_autograd(_backward, setup_context=_setup_context)
+
+
+def fp4_gemms_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int],
+                 layers: list[int], recipe: Recipe, context: QuantContext, *, grouped: bool) -> torch.Tensor:
+    """gemms.fp4_gemms through the custom ops: the layers given by key, at the context's clock."""
+    return _gemms(x, weight, bias, list(sizes), list(layers), register_recipe(recipe), context.clock,
+                  context.rank, grouped)
