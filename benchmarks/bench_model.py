@@ -1,12 +1,14 @@
 """A GPT training step (forward, backward, AdamW) in BF16 and under FP4 recipes, side by side.
 
-    python benchmarks/bench_model.py [--model d12] [--batch 16] [--seq 1024]
+    python benchmarks/bench_model.py [--model d12] [--batch 16] [--seq 1024] [--modes eager compiled]
 
 Each arm: the same model and batch under bf16 autocast; fp4lab.nn.quantize_model applies the
 recipe (Triton quantizers writing BF16 block values and kernels.matmul's GEMMs on CUDA). Reports tokens/s and the step
 time over BF16's (lower is better), median of timed steps after warmup (host time included:
-this is what a training run sees). Writes benchmarks/results/model.json (d12; other models
-model_<name>.json) and the matching keys of latest.json.
+this is what a training run sees). Each arm runs eager and under torch.compile (the FP4 GEMMs
+as nn.ops custom ops); a compiled FP4 arm is compared with compiled BF16, as users run it.
+Writes benchmarks/results/model.json (d12; other models model_<name>.json) and the matching keys
+of latest.json: <name>_<arm>_step_over_bf16 (eager), <name>_<arm>_step_over_bf16_compiled.
 """
 
 from __future__ import annotations
@@ -27,10 +29,11 @@ from fp4lab.nn.recipe import preset  # noqa: E402
 ARMS = ("bf16", "nvfp4", "nvfp4_plain", "mxfp4")
 
 
-def step_times(recipe_name: str, args) -> list[float]:
+def step_times(recipe_name: str, mode: str, args) -> list[float]:
     torch.manual_seed(0)
     model = GPT(model_config(args.model, seq_len=args.seq)).cuda()
     context = quantize_model(model, preset(recipe_name))
+    runner = torch.compile(model) if mode == "compiled" else model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     idx = torch.randint(0, model.cfg.vocab_size, (args.batch, args.seq + 1), device="cuda")
     times = []
@@ -39,7 +42,7 @@ def step_times(recipe_name: str, args) -> list[float]:
         torch.cuda.synchronize()
         start = time.perf_counter()
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = model(idx[:, :-1], idx[:, 1:])
+            loss = runner(idx[:, :-1], idx[:, 1:])
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -56,18 +59,24 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--arms", nargs="*", default=list(ARMS))
+    parser.add_argument("--modes", nargs="*", default=["eager", "compiled"], choices=["eager", "compiled"])
     args = parser.parse_args()
     tokens = args.batch * args.seq
-    rows = {}
-    for arm in args.arms:
-        ms = statistics.median(step_times(arm, args)) * 1e3
-        rows[arm] = {"step_ms": ms, "tokens_per_s": tokens / ms * 1e3}
-        rows[arm]["over_bf16"] = ms / rows["bf16"]["step_ms"] if "bf16" in rows else None
-        print(f"{args.model} {arm:12s} {ms:8.1f} ms/step  {rows[arm]['tokens_per_s']:9.0f} tok/s  "
-              f"x{rows[arm]['over_bf16'] or 1:.2f} of bf16", flush=True)
+    rows: dict[str, dict] = {}
+    for mode in args.modes:
+        for arm in args.arms:
+            ms = statistics.median(step_times(arm, mode, args)) * 1e3
+            base = rows.get(f"bf16/{mode}")
+            row = rows[f"{arm}/{mode}"] = {"arm": arm, "mode": mode, "step_ms": ms, "tokens_per_s": tokens / ms * 1e3,
+                                           "over_bf16": ms / base["step_ms"] if base else None}
+            print(f"{args.model} {arm:12s} {mode:8s} {ms:8.1f} ms/step  {row['tokens_per_s']:9.0f} tok/s  "
+                  f"x{row['over_bf16'] or 1:.2f} of bf16 {mode}", flush=True)
     payload = {**environment(), "model": args.model, "batch": args.batch, "seq": args.seq, "arms": rows}
     name = "model" if args.model == "d12" else f"model_{args.model.replace('-', '_')}"
-    keys = {f"{name}_{arm}_step_over_bf16": r["over_bf16"] for arm, r in rows.items() if arm != "bf16"}
+    keys = {f"{name}_{r['arm']}_step_over_bf16{'_compiled' if r['mode'] == 'compiled' else ''}": r["over_bf16"]
+            for r in rows.values() if r["arm"] != "bf16"}
+    if "bf16/eager" in rows:
+        keys[f"{name}_bf16_tokens_per_s"] = rows["bf16/eager"]["tokens_per_s"]
     save(name, payload, keys)
 
 

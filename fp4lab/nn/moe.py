@@ -9,10 +9,13 @@ Shape legend: T tokens, D model dim, F expert hidden dim, E routed experts, K ex
     y_TD       = shared(x) + sum_k weight_TK * expert[choice_TK](x)
 
 Expert GEMMs are grouped: tokens sorted by expert (a stable sort), one GEMM per expert on its
-variable number of rows. Under a recipe, each projection is nn.linear.grouped_fp4_linear: every
-expert's three GEMMs as the recipe says, with a tensor scale per expert operand, fprop and dgrad
-of all experts in one launch on the Triton backend. The combine un-sorts and sums the K contributions in a fixed order, so the forward is
-deterministic on GPU too (no atomics).
+variable number of rows. Without a recipe they run as ``torch._grouped_mm`` (all experts in one
+call, offsets from the counts on the device, no host sync) in bf16 (autocast) on the CPU and on
+CUDA from sm90, else as a loop over experts. Under a recipe, each projection is
+nn.linear.grouped_fp4_linear: every expert's three GEMMs as the recipe says, with a tensor scale
+per expert operand, fprop and dgrad of all experts in one launch on the Triton backend. The
+combine un-sorts and sums the K contributions in a fixed order, so the forward is deterministic
+on GPU too (no atomics).
 
 Balancing: each training forward adds the tokens each expert received to ``load_E``;
 ``update_bias()`` (after the optimizer step) moves ``bias_E += rate * sign(mean(load) - load)``
@@ -32,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..formats.types import Choice
-from .linear import QuantContext, grouped_fp4_linear
+from .linear import QuantContext, compute_dtype, grouped_fp4_linear
 from .recipe import Recipe
 
 
@@ -84,7 +87,18 @@ class GroupedExperts(nn.Module):
         """Run the expert GEMMs under ``recipe`` (called by nn.swap.quantize_model)."""
         self.recipe, self.name, self.context = recipe, name, context
 
-    def forward(self, x_sorted_SD: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    grouped_mm = True
+    """Use torch._grouped_mm where it runs (False: the per-expert loop, e.g. to compare)."""
+
+    def forward(self, x_sorted_SD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        dtype = compute_dtype(x_sorted_SD)
+        if self.recipe is None and self.grouped_mm and _grouped_mm_runs(x_sorted_SD.device, dtype):
+            offsets_E = counts_E.cumsum(0).to(torch.int32)
+
+            def mm(x: torch.Tensor, w_EOI: torch.Tensor) -> torch.Tensor:
+                return torch._grouped_mm(x.to(dtype), w_EOI.to(dtype).transpose(-2, -1), offs=offsets_E)
+            return mm(F.silu(mm(x_sorted_SD, self.w_gate)) * mm(x_sorted_SD, self.w_up), self.w_down)
+        counts = counts_E.tolist()
         if self.recipe is not None:
             def project(x: torch.Tensor, w: torch.Tensor, label: str) -> torch.Tensor:
                 # expert e is the layer f"{self.name}.{e}.{label}" (its seeds and tensor scales)
@@ -99,6 +113,13 @@ class GroupedExperts(nn.Module):
             h_nF = F.silu(F.linear(x_nD, self.w_gate[e])) * F.linear(x_nD, self.w_up[e])
             outs.append(F.linear(h_nF, self.w_down[e]))
         return torch.cat(outs) if outs else x_sorted_SD.new_zeros(x_sorted_SD.shape)
+
+
+def _grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
+    # bf16 only: what the CUDA kernel takes, and all torch.compile's shape rule for it accepts
+    if not hasattr(torch, "_grouped_mm") or dtype != torch.bfloat16:
+        return False
+    return device.type == "cpu" or (device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0))
 
 
 class SwiGLU(nn.Module):
@@ -136,7 +157,9 @@ class MoE(nn.Module):
     def sort_slots(self, choice_TK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (order_S: the S = T * K routed slots t * K + k sorted by expert (stable), counts_E)."""
         flat_S = choice_TK.reshape(-1)
-        return torch.argsort(flat_S, stable=True), torch.bincount(flat_S, minlength=self.cfg.n_experts)
+        # counted into a fixed-size tensor (bincount's size depends on the data: a graph break)
+        counts_E = flat_S.new_zeros(self.cfg.n_experts).index_add_(0, flat_S, torch.ones_like(flat_S))
+        return torch.argsort(flat_S, stable=True), counts_E
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -145,7 +168,7 @@ class MoE(nn.Module):
         order_S, counts_E = self.sort_slots(choice_TK)
         # gathers by permutation only: their backward adds at distinct rows (deterministic)
         x_sorted_SD = x_TD.repeat_interleave(self.cfg.top_k, dim=0)[order_S]
-        y_sorted_SD = self.experts(x_sorted_SD, counts_E.tolist())
+        y_sorted_SD = self.experts(x_sorted_SD, counts_E)
         y_SD = y_sorted_SD[torch.argsort(order_S)]  # un-sort
         y_TD = (y_SD.view(-1, self.cfg.top_k, shape[-1]) * weight_TK[..., None].to(y_SD.dtype)).sum(1)
         if self.shared is not None:

@@ -22,7 +22,8 @@ def _model(recipe: str):
 
 
 def _step(model, tick, progress=0.0, seed=0):
-    model.fp4_context.tick, model.fp4_context.progress = tick, progress
+    if hasattr(model, "fp4_context"):
+        model.fp4_context.tick, model.fp4_context.progress = tick, progress
     g = torch.Generator().manual_seed(seed + tick)
     idx = torch.randint(0, 128, (2, 33), generator=g)
     return idx[:, :-1], idx[:, 1:]
@@ -97,5 +98,22 @@ def test_a_compiled_moe_model_gives_the_eager_results():
     compiled = torch.compile(model, backend="aot_eager")
     want = _loss_and_grads(model, model, 3)
     got = _loss_and_grads(model, compiled, 3)
+    assert torch.equal(got[0], want[0])
+    for name in want[1]:
+        if name == "wte.weight":  # the traced embedding backward sums its rows in another order
+            torch.testing.assert_close(got[1][name], want[1][name], rtol=0, atol=1e-7)
+        else:
+            assert torch.equal(got[1][name], want[1][name]), name
+
+
+def test_the_bf16_moe_baseline_compiles_as_one_graph():
+    # grouped expert GEMMs with device-side offsets and fixed-size counts: nothing data-dependent
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = GPT(model_config("moe-tiny", vocab_size=128, seq_len=64))
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = _loss_and_grads(model, model, 0)
+        got = _loss_and_grads(model, compiled, 0)
     assert torch.equal(got[0], want[0])
     assert all(torch.equal(got[1][n], want[1][n]) for n in want[1])

@@ -189,3 +189,24 @@ def test_qk_norm_model_trains():
         loss.backward()
         opt.step()
     assert loss.item() < first - 0.5
+
+
+def test_bf16_experts_on_grouped_mm_equal_the_per_expert_loop():
+    # torch._grouped_mm (one call for all experts) against the loop, with an expert left empty
+    from fp4lab.nn.moe import _grouped_mm_runs
+    assert _grouped_mm_runs(torch.device("cpu"), torch.bfloat16)  # else both arms would be the loop
+    torch.manual_seed(0)
+    experts = MoE(64, MoEConfig(n_experts=4, top_k=2, expert_hidden=32)).experts
+    counts = torch.tensor([5, 0, 9, 2])
+    x = torch.randn(16, 64, requires_grad=True)
+    dy = torch.randn(16, 64, dtype=torch.bfloat16)
+    results = []
+    for grouped in (True, False):
+        experts.grouped_mm = grouped
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = experts(x, counts)
+        assert y.dtype == torch.bfloat16
+        results.append((y, *torch.autograd.grad(y, (x, experts.w_gate, experts.w_up, experts.w_down), dy)))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1.6e-2, atol=1e-4)  # bf16 products, sums in another order
+    assert results[0][2][1].abs().max() == 0  # the empty expert gets no gradient
