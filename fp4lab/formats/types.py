@@ -76,6 +76,11 @@ class NVFP4Profile(Choice):
     """torchao 0.18 nvfp4_quantize (PTQ): per_tensor_scale = amax / 2688,
     s_b = e4m3(clamp((block_amax / 6) / per_tensor_scale, 2^-6, 448)),
     elements x * ((1 / per_tensor_scale) / fp32(s_b))."""
+    FOUR_OVER_SIX = "four_over_six"
+    """Four Over Six (arXiv 2512.02010): te's arithmetic with S_enc = 1536 / amax (6 * 256, so a
+    block scaled to 4 still fits E4M3), and each block (16x16 tile) scaled so its amax maps to 6
+    or to 4, whichever round-to-nearest quantization has the smaller squared error
+    (formats/nvfp4.py gives the exact order of operations)."""
 
 
 class MXScaleMode(Choice):

@@ -38,10 +38,11 @@ from .elements import (e2m1_rtne, e2m1_stochastic, e2m1_value, e4m3_rtne, e4m3_v
                        philox_bytes, round_to_bf16, scale_value, to_bf16_rtne, widen)
 
 # SCALE_RULE: how a block's scale is made (NVFP4 profiles, then MXFP4 scale modes)
-NV_TE, NV_TORCHAO = tl.constexpr(0), tl.constexpr(1)
-MX_FLOOR, MX_CEIL, MX_EVEN, MX_RCEIL = tl.constexpr(2), tl.constexpr(3), tl.constexpr(4), tl.constexpr(5)
+NV_TE, NV_TORCHAO, NV_FOUR_SIX = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+MX_FLOOR, MX_CEIL, MX_EVEN, MX_RCEIL = tl.constexpr(3), tl.constexpr(4), tl.constexpr(5), tl.constexpr(6)
 # the launcher passes the plain ints
-NV_RULES = {NVFP4Profile.TE: NV_TE.value, NVFP4Profile.TORCHAO: NV_TORCHAO.value}
+NV_RULES = {NVFP4Profile.TE: NV_TE.value, NVFP4Profile.TORCHAO: NV_TORCHAO.value,
+            NVFP4Profile.FOUR_OVER_SIX: NV_FOUR_SIX.value}
 MX_RULES = {MXScaleMode.FLOOR: MX_FLOOR.value, MXScaleMode.CEIL: MX_CEIL.value, MXScaleMode.EVEN: MX_EVEN.value,
             MXScaleMode.RCEIL: MX_RCEIL.value}
 # HADAMARD: no transform, or the block-sized transform (16 or 32 points) with formats.hadamard's sign rule
@@ -63,6 +64,10 @@ def _tensor_terms(amax, RULE: tl.constexpr):
         s_enc = tl.minimum(tl.div_rn(2688.0, amax), FLT_MAX)
         s_enc = tl.where((amax == 0) | (s_enc == 0), 1.0, s_enc)
         return tl.div_rn(1.0, s_enc), s_enc * 0.1666666716337204  # fp32(1/6)
+    if RULE == NV_FOUR_SIX:  # 6 * 256; each candidate folds its own 1/M
+        s_enc = tl.minimum(tl.div_rn(1536.0, amax), FLT_MAX)
+        s_enc = tl.where((amax == 0) | (s_enc == 0), 1.0, s_enc)
+        return tl.div_rn(1.0, s_enc), s_enc
     s_dec = tl.div_rn(tl.where(amax == 0, 1.0, amax), 2688.0)
     return s_dec, tl.minimum(tl.div_rn(1.0, s_dec), FLT_MAX)
 
@@ -182,6 +187,50 @@ def _hadamard(x, seed, RULE: tl.constexpr, ROUND_BF16: tl.constexpr, BR: tl.cons
 
 
 @triton.jit
+def _te_candidate(bamax, mult, s_dec):
+    """NVFP4 te block scale bytes and element scales for a block multiplier."""
+    sbyte = e4m3_rtne(tl.minimum(bamax * mult, 448.0))
+    return sbyte, tl.minimum(tl.div_rn(tl.full(bamax.shape, 1.0, tl.float32), e4m3_value(sbyte) * s_dec), FLT_MAX)
+
+
+@triton.jit
+def _squared_error(mag, sbyte, e_b, s_dec):
+    """|x| [BR, NB, BLOCK] -> the squared error of its round-to-nearest quantization with (s_b, e_b)."""
+    code = e2m1_rtne(tl.minimum(mag * e_b[:, :, None], 6.0))
+    d = (e2m1_value(code) * e4m3_value(sbyte)[:, :, None]) * s_dec - mag
+    return d * d
+
+
+@triton.jit
+def _block_error(sq, TILE_ROWS: tl.constexpr, BR: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr):
+    """formats.nvfp4.block_error: [BR, NB, 16] -> [BR, NB], pairwise per block, or per 16x16
+    tile by 2x2 quads (a + d) + (b + c), replicated to the tile's rows."""
+    if TILE_ROWS == 1:  # neighbours added pairwise: 16 -> 8 -> 4 -> 2 -> 1
+        a, b = tl.split(tl.reshape(sq, (BR, NB, 8, 2)))
+        a, b = tl.split(tl.reshape(a + b, (BR, NB, 4, 2)))
+        a, b = tl.split(tl.reshape(a + b, (BR, NB, 2, 2)))
+        a, b = tl.split(tl.reshape(a + b, (BR, NB, 1, 2)))
+        return tl.reshape(a + b, (BR, NB))
+    T: tl.constexpr = BR // TILE_ROWS
+    t = tl.permute(tl.reshape(sq, (T, TILE_ROWS, NB, BLOCK)), (0, 2, 1, 3))  # [T, NB, rows, cols]
+    t = _quads(t, T, NB, 8)
+    t = _quads(t, T, NB, 4)
+    t = _quads(t, T, NB, 2)
+    t = tl.reshape(_quads(t, T, NB, 1), (T, 1, NB))
+    return tl.reshape(tl.broadcast_to(t, (T, TILE_ROWS, NB)), (BR, NB))
+
+
+@triton.jit
+def _quads(t, T: tl.constexpr, NB: tl.constexpr, N: tl.constexpr):
+    """[T, NB, 2N, 2N] -> [T, NB, N, N]: each 2x2 quad [[a, b], [c, d]] as (a + d) + (b + c)."""
+    q = tl.permute(tl.reshape(t, (T, NB, N, 2, N, 2)), (0, 1, 2, 4, 3, 5))  # [.., i, j, row, col]
+    left, right = tl.split(q)  # col 0, col 1: [.., i, j, row]
+    a, c = tl.split(left)
+    b, d = tl.split(right)
+    return (a + d) + (b + c)
+
+
+@triton.jit
 def _mx_exponent(bamax, RULE: tl.constexpr):
     """bamax: fp32 >= 0 finite -> int32 unbiased exponent in [-127, 127] (formats.mxfp4.mx_exponent)."""
     bits = bamax.to(tl.int32, bitcast=True)
@@ -242,8 +291,16 @@ def _fp4_quantize_kernel(x_ptr, codes_ptr, scales_ptr, amax_ptr, s_dec_ptr, seed
         if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
             tl.store(s_dec_ptr, s_dec)
     if SCALE_RULE == NV_TE:  # NVFP4 te: s_b = e4m3(min(amax_b * (S_enc/6), 448)), e_b = 1/(s_b S_dec)
-        sbyte = e4m3_rtne(tl.minimum(bamax * mult, 448.0))
-        e_b = tl.minimum(tl.div_rn(tl.full(bamax.shape, 1.0, tl.float32), e4m3_value(sbyte) * s_dec), FLT_MAX)
+        sbyte, e_b = _te_candidate(bamax, mult, s_dec)
+        nan_byte = 0x7F
+    elif SCALE_RULE == NV_FOUR_SIX:  # both te candidates (amax to 6, to 4); the smaller error wins
+        mag = tl.abs(x)
+        s6, e6 = _te_candidate(bamax, mult * 0.1666666716337204, s_dec)  # fp32(1/6)
+        s4, e4 = _te_candidate(bamax, mult * 0.25, s_dec)
+        err6 = _block_error(_squared_error(mag, s6, e6, s_dec), TILE_ROWS, BR, NB, BLOCK)
+        err4 = _block_error(_squared_error(mag, s4, e4, s_dec), TILE_ROWS, BR, NB, BLOCK)
+        four = err4 < err6
+        sbyte, e_b = tl.where(four, s4, s6), tl.where(four, e4, e6)
         nan_byte = 0x7F
     elif SCALE_RULE == NV_TORCHAO:  # NVFP4 torchao: s_b = e4m3(clamp(amax_b/6/S_dec, 2^-6, 448)), e_b = (1/S_dec)/s_b
         sbyte = e4m3_rtne(tl.minimum(tl.maximum(tl.div_rn(tl.div_rn(bamax, 6.0), s_dec), 0.015625), 448.0))
@@ -327,7 +384,7 @@ def _launch(x: torch.Tensor, axis: int, block: tuple[int, int], pad: bool, rule:
                                    SCALE_RULE=rule, BLOCK=block[1], TILE_ROWS=block[0],
                                    STOCHASTIC=stochastic, BF16_BITS=bf16, HADAMARD=hadamard,
                                    AMAX_ONLY=amax_only, OUT_VALUES=out_values, TRANSPOSED=transposed,
-                                   BR=br, BC=bc, num_warps=warps)
+                                   BR=br, BC=bc, num_warps=warps, enable_fp_fusion=False)
     return codes, scales, axis
 
 

@@ -21,7 +21,7 @@ a recipe plus dotted overrides
 (``recipe.override({"wgrad.hadamard": "deterministic"})``).
 
 Presets (functions returning a Recipe): ``bf16``, ``nvfp4`` (NVIDIA's recipe, arXiv
-2509.25149), ``nvfp4_plain``, ``mxfp4``, ``mxfp4_rceil``, ``mxfp4_hadamard``, and the
+2509.25149), ``nvfp4_four_over_six`` (the same with Four Over Six scales), ``nvfp4_plain``, ``mxfp4``, ``mxfp4_rceil``, ``mxfp4_hadamard``, and the
 per-GEMM progression of the AMD MXFP4 study: ``fprop``, ``fprop_dgrad``, ``fprop_dgrad_wgrad``.
 
 Public: ``HadamardMode``, ``Bf16Scope``, ``Operand``, ``GemmSpec``, ``Recipe``,
@@ -429,6 +429,17 @@ def nvfp4(*, keep_first: int | None = None, keep_last: int | None = None) -> Rec
                   wgrad=GemmSpec(a=dy, b=x, hadamard=HadamardMode.FIXED), **keep)
 
 
+def nvfp4_four_over_six() -> Recipe:
+    """NVIDIA's recipe with Four Over Six block scales (arXiv 2512.02010) on every FP4 operand:
+    each block (16x16 tile for W) scaled to 6 or to 4, whichever rounds it with less error
+    (NVFP4Profile.FOUR_OVER_SIX; the choice is made on round-to-nearest errors, dy included)."""
+    def four_six(op: Operand) -> Operand:
+        return dataclasses.replace(op, profile=NVFP4Profile.FOUR_OVER_SIX)
+    base = nvfp4()
+    return dataclasses.replace(base, name="nvfp4_four_over_six", **{
+        g: dataclasses.replace(base.gemm(g), a=four_six(base.gemm(g).a), b=four_six(base.gemm(g).b)) for g in GEMMS})
+
+
 def nvfp4_plain() -> Recipe:
     """NVFP4 everywhere, 1x16 blocks, RTNE, no Hadamard, no BF16 layers: the naive recipe."""
     g = GemmSpec(a=_fp4(Format.NVFP4), b=_fp4(Format.NVFP4))
@@ -478,7 +489,8 @@ def fprop_dgrad_wgrad(fmt: str | Format = Format.MXFP4) -> Recipe:
 
 
 PRESETS: dict[str, Callable[[], Recipe]] = {
-    "bf16": bf16, "nvfp4": nvfp4, "nvfp4_plain": nvfp4_plain, "mxfp4": mxfp4,
+    "bf16": bf16, "nvfp4": nvfp4, "nvfp4_four_over_six": nvfp4_four_over_six, "nvfp4_plain": nvfp4_plain,
+    "mxfp4": mxfp4,
     "mxfp4_rceil": mxfp4_rceil, "mxfp4_hadamard": mxfp4_hadamard, "fprop": fprop,
     "fprop_dgrad": fprop_dgrad, "fprop_dgrad_wgrad": fprop_dgrad_wgrad,
 }

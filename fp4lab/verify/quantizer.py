@@ -116,7 +116,8 @@ def _named_scales(xb: torch.Tensor, tile_rows: int, fmt: Format) -> dict[str, to
     out = {}
     for profile in NVFP4Profile:
         s_dec, mult = nvfp4_tensor_terms(finite_amax(xb), profile)
-        out[profile.value] = nvfp4_block_scales(b_amax, s_dec, mult, profile)[0].view(torch.uint8).to(torch.int64)
+        scales = nvfp4_block_scales(b_amax, s_dec, mult, profile, xb=xb, tile_rows=tile_rows)[0]
+        out[profile.value] = scales.view(torch.uint8).to(torch.int64)
     return out
 
 

@@ -91,3 +91,50 @@ def mxfp4(x: np.ndarray, mode: str) -> tuple[list[int], list[int]]:
         scales.append(e + 127)
         codes += [e2m1(math.ldexp(float(v), -e)) for v in block]
     return codes, scales
+
+
+def _pairwise(values: list) -> F32:
+    """Neighbours added pairwise, level by level (the four_over_six block error order)."""
+    while len(values) > 1:
+        values = [F32(values[i] + values[i + 1]) for i in range(0, len(values), 2)]
+    return values[0]
+
+
+def _quads(grid: list[list]) -> F32:
+    """A 2^k x 2^k grid summed by 2x2 quads [[a, b], [c, d]] as (a + d) + (b + c), level by level."""
+    while len(grid) > 1:
+        n = len(grid) // 2
+        grid = [[F32(F32(grid[2 * i][2 * j] + grid[2 * i + 1][2 * j + 1])
+                     + F32(grid[2 * i][2 * j + 1] + grid[2 * i + 1][2 * j])) for j in range(n)] for i in range(n)]
+    return grid[0][0]
+
+
+def nvfp4_four_over_six(x: np.ndarray, tile: bool = False) -> tuple[list[int], list[int], F32]:
+    """x: [R, L] float32 (R % 16 == 0 for tiles) -> (codes row-major, scale bytes, S_dec): each
+    block (or 16x16 tile) tries block amax -> 6 and -> 4 and keeps the smaller squared error."""
+    with np.errstate(divide="ignore", over="ignore"):
+        amax = F32(np.abs(x).max()) if x.size else F32(0)
+        s_enc = F32(min(F32(1536) / amax, FLT_MAX)) if amax > 0 else F32(1)
+        s_enc = F32(1) if s_enc == 0 else s_enc
+        s_dec = F32(1) / s_enc
+        rows, length = x.shape
+        codes = np.zeros((rows, length), dtype=np.int64)
+        scales = np.zeros((rows, length // 16), dtype=np.int64)
+        units = ([(slice(r, r + 16), slice(c, c + 16)) for r in range(0, rows, 16) for c in range(0, length, 16)]
+                 if tile else [(slice(r, r + 1), slice(c, c + 16)) for r in range(rows) for c in range(0, length, 16)])
+        for rs, cs in units:
+            unit = x[rs, cs]
+            b_amax = F32(np.abs(unit).max())
+            best = None
+            for target in (6, 4):
+                sb = e4m3(min(b_amax * (s_enc * F32(1 / target)), F32(448)))
+                eb = F32(min(F32(1) / (e4m3_value(sb) * s_dec), FLT_MAX))
+                unit_codes = [[e2m1(float(np.clip(v * eb, -6, 6))) for v in row] for row in unit]
+                sq = [[F32(d * d) for d in (F32(F32(E2M1_VALUES[c & 7]) * e4m3_value(sb)) * s_dec - F32(abs(v))
+                                            for c, v in zip(crow, row))] for crow, row in zip(unit_codes, unit)]
+                error = _quads(sq) if tile else _pairwise(sq[0])
+                if best is None or error < best[0]:  # ties keep the first candidate, 6
+                    best = (error, sb, unit_codes)
+            codes[rs, cs] = np.array(best[2])
+            scales[rs, cs.start // 16] = best[1]
+    return codes.reshape(-1).tolist(), scales.reshape(-1).tolist(), s_dec

@@ -47,7 +47,9 @@ NVFP4_CASES = [dict(), dict(profile="torchao"), dict(block=(16, 16)), dict(axis=
                dict(global_amax=3.0), dict(global_amax=0.0),
                dict(axis=0, hadamard="te", rounding="stochastic", seed=3),
                dict(hadamard="random", hadamard_seed=77, profile="torchao"),
-               dict(axis=0, hadamard="none", global_amax=50.0)]
+               dict(axis=0, hadamard="none", global_amax=50.0),
+               dict(profile="four_over_six"), dict(profile="four_over_six", block=(16, 16), axis=0),
+               dict(profile="four_over_six", rounding="stochastic", seed=9, hadamard="random", hadamard_seed=4)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
