@@ -38,6 +38,7 @@ from tqdm import tqdm
 
 from ..train.checkpoint import CheckpointError
 from ..train.corpus import CORPORA, default_dataset
+from ..train.config import config_identity
 from ..train.loop import TrainConfig, train
 from ..train.receipt import Receipt
 from ..train.report import (arm_table, final_loss, gap_table, load_receipts, paired_gap, plots, provenance,
@@ -196,9 +197,10 @@ def arm_configs(study: Study, scale: Scale, out: Path, *, seeds: tuple[int, ...]
 
 
 def _same_config(receipt: Receipt, cfg: TrainConfig) -> bool:
-    # a field added to TrainConfig after the run was made reads as its default
-    ran = {**json.loads(json.dumps(TrainConfig().to_dict())), **receipt.config}
-    return ran == json.loads(json.dumps(cfg.to_dict()))
+    # a field added to TrainConfig after the run was made reads as its default; where a run was
+    # written (and how it was driven) is not part of it, so a study can reuse another's runs
+    ran = config_identity({**TrainConfig().to_dict(), **receipt.config})
+    return json.loads(json.dumps(ran)) == json.loads(json.dumps(cfg.identity()))
 
 
 def _done(cfg: TrainConfig) -> bool:

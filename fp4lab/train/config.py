@@ -8,7 +8,7 @@ type or value is a ValueError naming the setting and what it must be, before any
 a preset, ``model_overrides`` are checked the same way against nn.ModelConfig's fields, and the
 optimizers and schedule against train.optim's.
 
-Public: ``TrainConfig``, ``check_types``.
+Public: ``TrainConfig``, ``config_identity``, ``check_types``.
 """
 
 from __future__ import annotations
@@ -19,6 +19,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..typecheck import field_types, fits, type_name
+
+
+_NOT_IDENTITY = ("out", "progress", "ckpt_every", "compile", "stop_at", "threads")
+
+
+def config_identity(values: dict[str, Any]) -> dict[str, Any]:
+    """TrainConfig.identity of a config as plain data (e.g. a receipt's)."""
+    return {k: v for k, v in values.items() if k not in _NOT_IDENTITY}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -108,6 +116,12 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def identity(self) -> dict[str, Any]:
+        """The settings that make the run what it is: to_dict without where it is written and how it
+        is driven (progress bars, checkpoint cadence, compile, a stop, threads). A checkpoint
+        resumes, and a study reuses a finished run, only when these match."""
+        return config_identity(self.to_dict())
 
     def with_overrides(self, changes: dict[str, Any]) -> "TrainConfig":
         """Apply "key=value"-style changes: TrainConfig fields, "model.<field>", "recipe.<dotted>"

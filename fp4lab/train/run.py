@@ -149,9 +149,7 @@ def setup(cfg: TrainConfig) -> Run:
     if cfg.compile:
         runner = torch.compile(runner)
     # what a checkpoint must match to be resumed; steps stays in: another budget is another schedule
-    identity = {"config": {k: v for k, v in cfg.to_dict().items() if k not in ("out", "progress", "ckpt_every",
-                                                                               "compile", "stop_at", "threads")},
-                "model": mcfg.to_dict(), "recipe": recipe.to_dict(), "data": data.identity, "world": world}
+    identity = {"config": cfg.identity(), "model": mcfg.to_dict(), "recipe": recipe.to_dict(), "data": data.identity, "world": world}
     flops_per_token = 6 * model.num_params(active=True) + 12 * mcfg.depth * mcfg.dim * cfg.seq_len
     return Run(cfg=cfg, out=Path(cfg.out), rank=rank, world=world, device=device, data=data, stream=stream,
                mcfg=mcfg, recipe=recipe, model=model, runner=runner, context=context, optimizers=optimizers,

@@ -174,3 +174,32 @@ def test_set_refuses_runner_owned_and_unknown_settings(tmp_path):
     with pytest.raises(ValueError, match="unknown training setting 'stepz'.*steps"):
         arm_configs(study, smoke, tmp_path, stepz=3)
     assert {c.steps for c in arm_configs(study, smoke, tmp_path, steps=5)} == {5}
+
+
+def test_a_run_finished_elsewhere_counts_as_done_when_only_its_place_differs(tmp_path):
+    # a study reuses another study's finished run of the same settings (fidelity's bf16 for
+    # gap-closers'); where it was written, its progress bars and threads are not part of the run
+    from dataclasses import replace
+
+    from fp4lab.studies.study import _done
+    from fp4lab.train.loop import TrainConfig
+    cfg = TrainConfig(out=str(tmp_path / "here"), steps=7, lr=1e-3)
+    (tmp_path / "here").mkdir()
+    other = replace(cfg, out="runs/elsewhere", progress=False, threads=3)
+    replace(make_receipt(), config=other.to_dict()).save(tmp_path / "here" / "receipt.json")
+    assert _done(cfg)
+    replace(make_receipt(), config=replace(other, lr=2e-3).to_dict()).save(tmp_path / "here" / "receipt.json")
+    assert not _done(cfg)
+
+
+def test_gap_closers_verdict_and_the_goal_line():
+    finals = {"bf16": (3.0, 3.1, 3.05), "nvfp4": (3.08, 3.18, 3.13), "four_over_six": (3.05, 3.151, 3.099),
+              "late_bf16_all": (3.005, 3.106, 3.054)}
+    text, verdict = _verdict("gap-closers", finals)
+    assert verdict == REPRODUCED  # -0.03 on every seed
+    assert "late_bf16_all - nvfp4" in text and "closest to BF16: late_bf16_all" in text and "met" in text
+    assert "not met" not in text  # +0.13% to +0.20%: the whole interval is under 0.5%
+    finals["four_over_six"] = (3.09, 3.17, 3.14)  # +0.01, -0.01, +0.01
+    assert _verdict("gap-closers", finals)[1] == NOT_RESOLVED
+    finals["late_bf16_all"] = (3.03, 3.13, 3.08)  # +1%
+    assert "not met" in _verdict("gap-closers", finals)[0]
