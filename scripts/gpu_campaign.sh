@@ -7,6 +7,10 @@
 #   scripts/gpu_campaign.sh collect               $OUT/runs.tgz: receipts, logs, sizes (never checkpoints)
 # Phases:
 #   corpus                  build the "code" corpus; its size and build time -> runs/gpu/corpus.json
+#   receipts                copy every committed results/<study>/<run>/receipt.json to runs/gpu/<study>/<run>/,
+#                           so the runner skips what is finished
+#   reuse:FROM:TO:ARM,ARM   the same from study FROM's committed runs into study TO (same settings:
+#                           e.g. fidelity's bf16 and nvfp4 for gap-closers)
 #   study:NAME[:ARM,ARM]    fp4lab study NAME at $SCALE (default gpu-medium), $JOBS runs at once;
 #                           finished runs are skipped, stopped ones resume from their checkpoint
 #   sweep:MODEL:LRS:TOKENS[:TAG:KEY=VALUE,...]
@@ -36,11 +40,25 @@ sweep() {  # MODEL LRS TOKENS [TAG SETS]
     | grep -E "^\| " | head -20
 }
 
+copy_receipts() {  # FROM TO [ARMS]
+  local from=$1 to=$2 arms=${3:-} f run
+  for f in results/"$from"/*/receipt.json; do
+    [ -f "$f" ] || continue
+    run=$(basename "$(dirname "$f")")
+    if [ -n "$arms" ] && ! [[ ",$arms," == *",${run%-seed*},"* ]]; then continue; fi
+    mkdir -p "$ROOT/$to/$run" && cp -n "$f" "$ROOT/$to/$run/"
+  done
+  echo "$from -> $to: $(ls "$ROOT/$to"/*/receipt.json 2>/dev/null | wc -l) receipts"
+}
+
 run_phases() {
   for phase in "$@"; do
     echo "== $phase $(date +%T)"
     case $phase in
       corpus) python3 scripts/corpus_size.py 2>&1 | quiet | tee "$ROOT/corpus.json" ;;
+      receipts) for d in results/*/; do d=$(basename "$d"); ls results/"$d"/*/receipt.json >/dev/null 2>&1 \
+                  && copy_receipts "$d" "$d"; done ;;
+      reuse:*) IFS=: read -r _ from to arms <<< "$phase"; copy_receipts "$from" "$to" "$arms" ;;
       study:*) IFS=: read -r _ name arms <<< "$phase"
                python3 -m fp4lab study "$name" --scale "${SCALE:-gpu-medium}" --jobs "${JOBS:-6}" --out "$ROOT/$name" \
                  ${arms:+--arms ${arms//,/ }} 2>&1 | quiet | grep -v "^|" ;;
