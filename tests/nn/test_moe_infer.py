@@ -98,7 +98,7 @@ def test_routing_is_the_bf16_layers():
         moe.shared = None
 
         def one_hot_experts(module, args, out):
-            counts = torch.tensor(args[1])
+            counts = args[1]  # counts_E, a tensor
             return F.one_hot(torch.repeat_interleave(torch.arange(8), counts), 64).float()
         handle = moe.experts.register_forward_hook(one_hot_experts)
         with torch.no_grad():
