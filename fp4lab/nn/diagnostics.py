@@ -10,7 +10,9 @@ Stiction: with RTNE, an update smaller than half a code step leaves the code whe
 weight can keep training in FP32 while its FP4 copy does not move. ``StictionMeter`` measures
 the fraction of codes that change per optimizer step (``before()`` / ``after()`` around
 ``optimizer.step()``); Operand.dither is the intervention that keeps codes moving. Both cost one
-weight quantization per layer, so log them every N steps, not every step.
+weight quantization per layer, so log them every N steps, not every step. A weight sharded by
+FSDP2 (a DTensor) is gathered whole first, as its forward gathers it: every rank must call
+``weight_codes`` (and the meter) together.
 
 Public: ``operand_stats``, ``weight_codes``, ``code_flip_rate``, ``StictionMeter``.
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..formats import unpack_nibbles
@@ -42,12 +45,22 @@ def operand_stats(model: nn.Module, fn: Callable[[], object]) -> dict[str, dict[
     return dict(context.stats)
 
 
+def _whole(w: torch.Tensor) -> torch.Tensor:
+    """w, or the full tensor of a DTensor shard (a collective)."""
+    if dist.is_initialized():
+        from torch.distributed.tensor import DTensor
+        if isinstance(w, DTensor):
+            return w.full_tensor()
+    return w
+
+
 def _weights(model: nn.Module):
     for name, module in model.named_modules():
         if isinstance(module, FP4Linear):
-            yield name, module.weight, module.recipe, module.context
+            yield name, _whole(module.weight), module.recipe, module.context
         elif isinstance(module, GroupedExperts) and module.recipe is not None:
             for label, w in (("gate", module.w_gate), ("up", module.w_up), ("down", module.w_down)):
+                w = _whole(w)
                 for e in range(w.shape[0]):
                     yield f"{module.name}.{e}.{label}", w[e], module.recipe, module.context
 

@@ -184,7 +184,7 @@ class GPT(nn.Module):
         total = sum(p.numel() for p in self.parameters())
         if active:
             for moe in self.moe_layers():
-                per_expert = sum(p[0].numel() for p in moe.experts.parameters())
+                per_expert = sum(p.numel() // p.shape[0] for p in moe.experts.parameters())  # [E, ...]
                 total -= per_expert * (moe.cfg.n_experts - moe.cfg.top_k)
         return total
 

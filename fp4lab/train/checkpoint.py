@@ -12,6 +12,8 @@ Loading checks, before touching the model: that the files exist and their hashes
 truncated or corrupt file is an error, never a partial load), that the identity equals the
 current run's (a checkpoint of another recipe or model is refused with the differing keys),
 and that the state dict's keys and shapes match exactly.
+Under FSDP2 the files hold the full tensors, the same as one rank's: saving gathers them (every
+rank calls ``save_checkpoint``, rank 0 writes), loading shards them back (train.parallel).
 
 Public: ``save_checkpoint``, ``load_checkpoint``, ``recover_interrupted_save``, ``CheckpointError``.
 """
@@ -30,6 +32,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .errors import CheckpointError
+from .parallel import load_model_state, load_optimizer_state, model_state, optimizer_state
 
 FILES = ("model.safetensors", "optim.pt")
 
@@ -56,17 +59,21 @@ def _as_umask_allows(path: Path) -> None:
 
 
 def save_checkpoint(path: Path, model: nn.Module, optimizers: list[torch.optim.Optimizer], *, step: int,
-                    identity: dict[str, Any], extra: dict[str, Any]) -> Path:
-    """Write the checkpoint directory ``path`` atomically (see the module doc)."""
+                    identity: dict[str, Any], extra: dict[str, Any], write: bool = True) -> Path | None:
+    """Write the checkpoint directory ``path`` atomically (see the module doc). Under FSDP every
+    rank calls it (the full tensors are gathered) and only the one with ``write`` writes."""
+    tensors = model_state(model, keep=write)
+    optim_states = [optimizer_state(o, keep=write) for o in optimizers]
+    if not write:
+        return None
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     save_file(tensors, str(tmp / "model.safetensors"))
     _as_umask_allows(tmp / "model.safetensors")  # safetensors writes through a private (0600) temp file
     rng = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
-    torch.save({"optimizers": [o.state_dict() for o in optimizers], "rng": rng}, tmp / "optim.pt")
+    torch.save({"optimizers": optim_states, "rng": rng}, tmp / "optim.pt")
     state = {"step": step, "identity": identity, **extra,
              "sha256": {name: _sha256(tmp / name) for name in FILES}}
     (tmp / "state.json").write_text(json.dumps(state, indent=1))
@@ -140,9 +147,9 @@ def load_checkpoint(path: Path, model: nn.Module, optimizers: list[torch.optim.O
     blob = torch.load(Path(path) / "optim.pt", map_location="cpu", weights_only=False)
     if len(blob["optimizers"]) != len(optimizers):
         raise CheckpointError(f"{path}: {len(blob['optimizers'])} optimizers saved, run has {len(optimizers)}")
-    model.load_state_dict(tensors, strict=True)
+    load_model_state(model, tensors)
     for opt, saved in zip(optimizers, blob["optimizers"]):
-        opt.load_state_dict(saved)
+        load_optimizer_state(opt, saved)
     torch.set_rng_state(blob["rng"]["cpu"])
     if torch.cuda.is_available() and blob["rng"]["cuda"]:
         torch.cuda.set_rng_state_all(blob["rng"]["cuda"])

@@ -5,8 +5,8 @@ pairs (``with_overrides``), so a value may arrive with the wrong type (``--set s
 Each field is checked against its annotation and its range when the config is built: a wrong
 type or value is a ValueError naming the setting and what it must be, before any data is read
 (an int is taken where a float is due; a bool is never taken as a number). ``model`` must name
-a preset, ``model_overrides`` are checked the same way against nn.ModelConfig's fields, and the
-optimizers and schedule against train.optim's.
+a preset, ``model_overrides`` are checked the same way against nn.ModelConfig's fields, the
+optimizers and schedule against train.optim's, and ``parallel`` against train.parallel's.
 
 Public: ``TrainConfig``, ``config_identity``, ``check_types``.
 """
@@ -21,7 +21,7 @@ from typing import Any
 from ..typecheck import field_types, fits, type_name
 
 
-_NOT_IDENTITY = ("out", "progress", "ckpt_every", "compile", "stop_at", "threads")
+_NOT_IDENTITY = ("out", "progress", "ckpt_every", "compile", "stop_at", "threads", "parallel")
 
 
 def config_identity(values: dict[str, Any]) -> dict[str, Any]:
@@ -83,6 +83,10 @@ class TrainConfig:
     schedule still spans ``steps``, so ``--resume`` continues the same run."""
     diverge_loss: float = 20.0
     seed: int = 0
+    parallel: str = "ddp"
+    """Under torchrun: "ddp" replicates the model on every rank (DistributedDataParallel), "fsdp"
+    shards parameters, gradients and optimizer state per block (FSDP2; train.parallel). One
+    process trains the whole model: "fsdp" there is an error."""
     compile: bool = False
     """torch.compile the model: the FP4 GEMMs are custom ops (nn.ops), so a dense model is one graph
     that serves every step without recompiling; MoE routing breaks it at the per-expert counts."""
@@ -101,6 +105,7 @@ class TrainConfig:
         # imported here (torch): what a config names is checked where it is made, so a file's error names the file
         from ..nn.model import MODEL_PRESETS, ModelConfig
         from .optim import OPTIMIZERS, SCHEDULES
+        from .parallel import PARALLEL
         if self.dense_opt not in OPTIMIZERS or self.expert_opt not in OPTIMIZERS:
             raise ValueError(f"dense_opt and expert_opt must be one of {', '.join(OPTIMIZERS)}, "
                              f"got {self.dense_opt!r}, {self.expert_opt!r}")
@@ -113,13 +118,15 @@ class TrainConfig:
         check_types(self.model_overrides, ModelConfig, what="model setting")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"training setting schedule={self.schedule!r} must be one of {', '.join(SCHEDULES)}")
+        if self.parallel not in PARALLEL:
+            raise ValueError(f"training setting parallel={self.parallel!r} must be one of {', '.join(PARALLEL)}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     def identity(self) -> dict[str, Any]:
         """The settings that make the run what it is: to_dict without where it is written and how it
-        is driven (progress bars, checkpoint cadence, compile, a stop, threads). A checkpoint
+        is driven (progress bars, checkpoint cadence, compile, a stop, threads, DDP or FSDP). A checkpoint
         resumes, and a study reuses a finished run, only when these match."""
         return config_identity(self.to_dict())
 

@@ -201,14 +201,19 @@ class TokenStream:
     def val_batches(self, n_batches: int | None = None, batch_size: int | None = None):
         """The fixed validation batches (this rank's share), the same for every run on these
         tokens: the first ``n_batches`` of them, or all (None); the last may be shorter."""
-        b = (batch_size or self.batch_size) // self.world
-        per_global = b * self.world
-        total = -(-len(self.val_windows) // per_global)  # whole and partial global batches
-        for k in range(total if n_batches is None else min(n_batches, total)):
+        per_global = (batch_size or self.batch_size) // self.world * self.world
+        for k in range(self.val_batch_count(n_batches, batch_size)):
             chunk = self.val_windows[k * per_global:(k + 1) * per_global]
             share = np.array_split(chunk, self.world)[self.rank]  # every rank's share, any world size
             if len(share):
                 yield self._stack(self.val_tokens, share)
+
+    def val_batch_count(self, n_batches: int | None = None, batch_size: int | None = None) -> int:
+        """The global batches ``val_batches`` walks, the same on every rank. Only the last can
+        leave a rank an empty share (it then yields one batch fewer than this)."""
+        per_global = (batch_size or self.batch_size) // self.world * self.world
+        total = -(-len(self.val_windows) // per_global)  # whole and partial global batches
+        return total if n_batches is None else min(n_batches, total)
 
     @property
     def epoch_steps(self) -> int:

@@ -20,10 +20,10 @@ batches (a spread sample of the held-out documents, data.split_documents); the f
 evaluation covers the whole validation split. A non-finite loss, or one above ``diverge_loss``,
 stops the run with status "diverged" and a clear message; the last checkpoint (from before the
 divergence) is kept as it was. Under torchrun (WORLD_SIZE > 1) the model is wrapped in
-DistributedDataParallel and each rank reads its share of every global batch (data.TokenStream),
-so the global batch is the same as on one GPU; MoE load counts are summed over ranks before the
-balancing-bias update, so every rank moves the same bias as one GPU would. A non-finite
-gradient norm counts as divergence.
+DistributedDataParallel or sharded by FSDP2 (``parallel``; train.parallel) and each rank reads
+its share of every global batch (data.TokenStream), so the global batch is the same as on one
+GPU; MoE load counts are summed over ranks before the balancing-bias update, so every rank
+moves the same bias as one GPU would. A non-finite gradient norm counts as divergence.
 
 Public: ``TrainConfig`` (from config.py), ``RunState``, ``train``.
 """
@@ -50,6 +50,7 @@ from .checkpoint import load_checkpoint, recover_interrupted_save, save_checkpoi
 from .config import TrainConfig
 from .lock import RunLock
 from .optim import lr_multiplier
+from .parallel import is_dtensor, is_sharded
 from .receipt import Eval, Final, Git, Receipt, environment, kernels_backend
 from .run import Run, setup
 
@@ -245,6 +246,8 @@ def _step(run: Run, state: RunState, step: int, stiction, metrics) -> tuple[floa
     if run.world > 1:
         dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)
     grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.clip if cfg.clip > 0 else float("inf"))
+    if is_dtensor(grad_norm):  # FSDP: the norm over every rank's shards, replicated
+        grad_norm = grad_norm.full_tensor()
     train_loss, norm = float(loss_sum), float(grad_norm)
     if not math.isfinite(train_loss) or not math.isfinite(norm) or train_loss > cfg.diverge_loss:
         state.status = "diverged"  # a non-finite gradient would turn every weight into NaN at the step
@@ -280,11 +283,17 @@ def _evaluate(run: Run, *, full: bool) -> float:
     cfg, device, model = run.cfg, run.device, run.runner
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=device)
+    which = (None if full else cfg.eval_batches, cfg.batch_size // cfg.grad_accum)
+    batches = 0
     with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=run.autocast):
-        for x, y in run.stream.val_batches(None if full else cfg.eval_batches, cfg.batch_size // cfg.grad_accum):
+        for x, y in run.stream.val_batches(*which):
             n = float(y.numel())
             total += torch.stack([model(x.to(device), y.to(device)).double() * n, torch.full((), n, device=device,
                                                                                            dtype=torch.float64)])
+            batches += 1
+        if is_sharded(run.model):  # each forward all-gathers: a rank with an empty last share runs an idle one
+            for _ in range(run.stream.val_batch_count(*which) - batches):
+                model(torch.zeros(1, cfg.seq_len, dtype=torch.long, device=device))
     if dist.is_initialized():
         dist.all_reduce(total)
     model.train()
@@ -302,9 +311,9 @@ def _evaluate_if_due(run: Run, state: RunState, metrics) -> None:
 
 def _checkpoint_if_due(run: Run, state: RunState, end: int) -> None:
     if (run.cfg.ckpt_every and state.step % run.cfg.ckpt_every == 0) or state.step == end:
-        if run.rank == 0:
-            save_checkpoint(run.out / "checkpoint", run.model, run.optimizers, step=state.step,
-                            identity=run.identity, extra=state.extra())
+        # every rank: under FSDP the full tensors are gathered from all of them; rank 0 writes
+        save_checkpoint(run.out / "checkpoint", run.model, run.optimizers, step=state.step,
+                        identity=run.identity, extra=state.extra(), write=run.rank == 0)
         state.last_ckpt = state.step
         if run.world > 1:
             dist.barrier()

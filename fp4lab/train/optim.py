@@ -9,6 +9,9 @@ Each lane takes "adamw" or "muon"; embed is always AdamW (Muon is for hidden mat
 Muon (Keller Jordan's): momentum, then the update orthogonalised by 5 Newton-Schulz iterations
 with the quintic coefficients (3.4445, -4.7750, 2.0315) in bf16, scaled by sqrt(max(1, out/in)),
 applied per matrix (per expert for stacked expert weights); decoupled weight decay as AdamW.
+Under FSDP2 (train.parallel) parameters, gradients and momenta are DTensors sharded on dim 0:
+AdamW and Muon's momentum are elementwise and run on the shards, but Newton-Schulz needs whole
+matrices (``_orthogonalise``).
 
 Schedules (a multiplier of the base learning rate at step s of n):
     cosine  linear warmup, then cosine from 1 down to ``final``
@@ -23,6 +26,8 @@ import math
 
 import torch
 from torch import nn
+
+from .parallel import is_dtensor
 
 LANES = ("dense", "expert", "embed")
 OPTIMIZERS = ("adamw", "muon")
@@ -45,6 +50,23 @@ def _newton_schulz(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
     return (x.mT if transposed else x).to(g.dtype)
 
 
+def _orthogonalise(update: torch.Tensor) -> torch.Tensor:
+    """_newton_schulz of every matrix of ``update`` ([..., m, n]), a tensor or a DTensor shard.
+    Newton-Schulz mixes every row of a matrix with every other (x @ x^T), so a shard of rows
+    orthogonalised alone is not a shard of the orthogonalised matrix: a DTensor sharded along
+    the matrix gathers it whole (every rank runs the same iterations on the same matrix) and keeps
+    its own rows of the result. A stack of experts sharded by expert holds whole matrices on
+    every rank: those are orthogonalised where they are."""
+    if not is_dtensor(update):
+        return _newton_schulz(update)
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+    if all(isinstance(p, Shard) and p.dim < update.dim() - 2 for p in update.placements):
+        return DTensor.from_local(_newton_schulz(update.to_local()), update.device_mesh, update.placements,
+                                  shape=update.shape, stride=update.stride())
+    return distribute_tensor(_newton_schulz(update.full_tensor()), update.device_mesh, update.placements,
+                             src_data_rank=None)
+
+
 class Muon(torch.optim.Optimizer):
     """Momentum orthogonalised by Newton-Schulz, for 2D (or stacked [E, m, n]) weights."""
 
@@ -63,7 +85,7 @@ class Muon(torch.optim.Optimizer):
                 buf = self.state[p].setdefault("momentum", torch.zeros_like(p))
                 buf.lerp_(p.grad, 1 - group["momentum"])
                 update = p.grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
-                update = _newton_schulz(update) * math.sqrt(max(1.0, p.shape[-2] / p.shape[-1]))
+                update = _orthogonalise(update) * math.sqrt(max(1.0, p.shape[-2] / p.shape[-1]))
                 if group["weight_decay"]:
                     p.mul_(1 - group["lr"] * group["weight_decay"])
                 p.add_(update, alpha=-group["lr"])

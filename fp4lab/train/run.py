@@ -6,7 +6,8 @@ comes after the data (tokenizing may draw random numbers) and before the model, 
 initial weights depend on the seed alone. A setting of the wrong type (a model override; a
 recipe file or override of the wrong shape) is a ValueError before the model is built.
 Under torchrun (WORLD_SIZE > 1) the process group starts here, and the model is wrapped in
-DistributedDataParallel. The data entry of the receipt (receipt.Data) is filled here, with the
+DistributedDataParallel or sharded by FSDP2 (``cfg.parallel``, train.parallel) before the
+optimizers are built over its parameters. The data entry of the receipt (receipt.Data) is filled here, with the
 document split and the epochs the budget makes.
 
 Public: ``Run``, ``setup``.
@@ -27,6 +28,7 @@ from .config import TrainConfig
 from .corpus import CORPORA, TEXT_SUFFIXES, default_dataset, text_dataset
 from .data import TokenStream, dataset_meta, load_tokens
 from .optim import build_optimizers
+from .parallel import check, wrap
 from .receipt import Data, peak_flops
 
 
@@ -55,7 +57,8 @@ class Run:
     model: GPT
     """The model itself, its linears swapped for FP4 layers as the recipe says."""
     runner: torch.nn.Module
-    """The model as called for training: wrapped in DDP (several ranks) and torch.compile (if asked)."""
+    """The model as called for training: wrapped in DDP or sharded by FSDP2 (several ranks), and
+    torch.compile'd (if asked). Under FSDP ``model`` is the same module, its parameters DTensors."""
     context: QuantContext
     """The FP4 layers' QuantContext (tick and progress are set per micro-batch)."""
     optimizers: list
@@ -114,6 +117,7 @@ def _recipe(cfg: TrainConfig) -> Recipe:
 def setup(cfg: TrainConfig) -> Run:
     """Ranks, data, model, recipe and optimizers -> the Run (the order fixes the random streams)."""
     rank, world, local_rank = _dist()
+    check(cfg.parallel, world)
     device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -139,17 +143,15 @@ def setup(cfg: TrainConfig) -> Run:
     context = quantize_model(model, recipe)
     context.rank = rank
     model.to(device)
+    runner = wrap(model, cfg.parallel, world=world, device=device)
     optimizers = build_optimizers(model, lr=cfg.lr, weight_decay=cfg.weight_decay, dense=cfg.dense_opt,
                                   expert=cfg.expert_opt, muon_lr=cfg.muon_lr, embed_lr=cfg.embed_lr)
-    runner = model
-    if world > 1:
-        # buffers stay per rank: the MoE load counts are summed over ranks explicitly, once a step
-        runner = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[local_rank] if device.type == "cuda" else None, broadcast_buffers=False)
     if cfg.compile:
         runner = torch.compile(runner)
-    # what a checkpoint must match to be resumed; steps stays in: another budget is another schedule
-    identity = {"config": cfg.identity(), "model": mcfg.to_dict(), "recipe": recipe.to_dict(), "data": data.identity, "world": world}
+    # what a checkpoint must match to be resumed; steps stays in: another budget is another schedule.
+    # parallel is out (TrainConfig.identity): DDP and FSDP checkpoints are the same files (train.parallel)
+    identity = {"config": cfg.identity(), "model": mcfg.to_dict(), "recipe": recipe.to_dict(), "data": data.identity,
+                "world": world}
     flops_per_token = 6 * model.num_params(active=True) + 12 * mcfg.depth * mcfg.dim * cfg.seq_len
     return Run(cfg=cfg, out=Path(cfg.out), rank=rank, world=world, device=device, data=data, stream=stream,
                mcfg=mcfg, recipe=recipe, model=model, runner=runner, context=context, optimizers=optimizers,
