@@ -105,8 +105,8 @@ def _modelopt(qc: dict | None, hq: dict | None, findings: list[Finding]) -> Decl
         if hq is not None and ignore is not None and sorted(qc.get("ignore") or []) != sorted(ignore):
             findings.append(Finding("error", "config-mismatch", "config.json quantization_config",
                                     "ignore differs from hf_quant_config.json's exclude_modules"))
-        algo = algo or qc.get("quant_algo")
-        ignore = ignore if ignore is not None else qc.get("ignore")
+        # vLLM reads config.json's form before hf_quant_config.json: its list decides
+        algo, ignore = qc.get("quant_algo", algo), qc.get("ignore", ignore)
         if qc.get("group_size", GROUP_SIZE) != GROUP_SIZE:
             findings.append(Finding("error", "config-field", "config.json quantization_config",
                                     f"group_size is {qc.get('group_size')!r}, expected {GROUP_SIZE}"))
