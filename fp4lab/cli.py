@@ -108,22 +108,20 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from .convert.checkpoint import convert_checkpoint, verify_checkpoint
+    from .convert.checkpoint import convert_checkpoint
+    from .verify.checkpoint import check_checkpoint
+    from .verify.cli import print_findings
 
-    report = convert_checkpoint(args.src, args.dst, layout=args.layout, method=args.method)
-    for base, r in report.items():
+    result = convert_checkpoint(args.src, args.dst, layout=args.layout, method=args.method)
+    for base, r in result.report.items():
         cost = "lossless" if r["lossless"] else f"mse {r['mse']:.3g}"
         print(f"{base}: {r['method']}, spread {r['spread']}, m {r['m']}, {cost}")
-    print(f"wrote {args.dst} ({len(report)} tensors converted)")
-    if args.verify:
-        diffs = verify_checkpoint(args.src, args.dst, layout=args.layout)
-        bad = [b for b, d in diffs.items() if report[b]["lossless"] and d != 0]
-        if bad:
-            print(f"verify FAILED: {bad}", file=sys.stderr)
-            return 1
-        print(f"verified: every copied tensor equal; {sum(r['lossless'] for r in report.values())} converted "
-              "tensors bit-exact to the MXFP4 values, the rest within their reported MSE")
-    return 0
+    print(f"wrote {args.dst}: {', '.join(result.written)} ({len(result.report)} tensors converted)")
+    if result.left_out:
+        print(f"not carried over: {', '.join(result.left_out)}")
+    # the doctor checks every output; --verify adds every value against the source
+    return print_findings(check_checkpoint(args.dst, reference=args.src if args.verify else None),
+                          f"verify checkpoint {args.dst}")
 
 
 def _value(text: str):
@@ -279,18 +277,20 @@ def _add_convert(sub, name: str, help: str) -> argparse.ArgumentParser:
     # MXFP4 -> NVFP4 is the one conversion there is, so no target-format option
     p = sub.add_parser(name, help=help,
                        description="Converts every MXFP4 tensor pair <base>_blocks (uint8 [..., out, in/32, 16]) "
-                       "and <base>_scales (uint8 UE8M0 [..., out, in/32]) of the .safetensors file SRC to NVFP4 "
-                       "in the .safetensors file DST (with the layout's config file beside it); other tensors "
-                       "are copied. Formats: "
-                       "docs/numerics.md \"Checkpoint layouts\" and \"MXFP4 -> NVFP4 conversion\".",
+                       "and <base>_scales (uint8 UE8M0 [..., out, in/32]) of the model directory (or .safetensors "
+                       "file) SRC to NVFP4 in the new model directory DST: shards, index, config.json with the "
+                       "layout's quantization_config (and ModelOpt's hf_quant_config.json), the other files of "
+                       "SRC carried over; other tensors are copied. Then checks DST with the checkpoint doctor "
+                       "(fp4lab verify checkpoint); exit code 1 if it finds an error. Formats: "
+                       "docs/checkpoints.md and docs/numerics.md \"MXFP4 -> NVFP4 conversion\".",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("src", type=Path, help="the MXFP4 .safetensors file")
-    p.add_argument("dst", type=Path, help="the NVFP4 .safetensors file to write")
+    p.add_argument("src", type=Path, help="the MXFP4 model directory or .safetensors file")
+    p.add_argument("dst", type=Path, help="the NVFP4 model directory to write (new or empty)")
     p.add_argument("--layout", choices=["modelopt", "compressed-tensors"], default="modelopt",
                    help="the NVFP4 tensor names and scale conventions written")
     p.add_argument("--method", choices=["requant", "verbatim-mid", "verbatim-search", "hybrid", "best"],
                    default="best", help="how each block's scale is chosen (best: the smallest exact MSE of the candidates)")
-    p.add_argument("--verify", action="store_true", help="read the output back and check every tensor")
+    p.add_argument("--verify", action="store_true", help="also check every output value against SRC")
     p.set_defaults(handler=_convert)
     return p
 
@@ -306,7 +306,8 @@ SUBCOMMANDS = {
     "generate": ("generate text from a trained run; --quantize nvfp4 also post-training quantizes it and "
                  "reports the cost", _add_generate),
     "study": ("run a published FP4 finding as a study (fp4lab study --list)", _add_study),
-    "convert": ("convert a gpt-oss-style MXFP4 safetensors checkpoint to NVFP4", _add_convert),
+    "convert": ("convert a gpt-oss-style MXFP4 checkpoint to an NVFP4 model directory (ModelOpt or "
+                "compressed-tensors) and check it", _add_convert),
 }
 """Every subcommand: its one-line help and its add_parser, in the order ``fp4lab --help`` lists them."""
 

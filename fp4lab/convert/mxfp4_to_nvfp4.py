@@ -38,6 +38,7 @@ from ..formats.types import Format, FP4Tensor, NVFP4Profile, Rounding, ScaleLayo
 
 E4M3_EXP_MIN, E4M3_EXP_MAX = -9, 8  # the powers of two E4M3 holds
 SEARCH_WINDOW = 8  # candidate m: k_max - 8 and k_min + 9, widened by W on either side
+_MAGNITUDE_BITS_8 = 0x7777777777777777  # the magnitude bits of 16 E2M1 codes in 8 bytes
 M_RANGE = (-126, 116)  # S_dec = 2^m and the requant amax 2688 * 2^m stay normal fp32
 
 
@@ -76,8 +77,9 @@ def _mx_exponents(q: FP4Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """q (MXFP4, plain) -> (k: [*lead, nb] int64 block exponents, live: blocks not all zero)."""
     k = q.scales.to(torch.int64) - 127
     codes = q.codes.reshape(*q.lead_shape, -1, 16)  # 16 packed bytes = one 32-element block
-    live = ((codes & 0x77) != 0).any(-1)  # magnitude bits of either nibble
-    return k, live
+    if codes.is_contiguous():  # the same test 8 bytes at a time: the pass over all codes is most of the cost
+        return k, ((codes.view(torch.int64) & _MAGNITUDE_BITS_8) != 0).any(-1)
+    return k, ((codes & 0x77) != 0).any(-1)  # magnitude bits of either nibble
 
 
 def _pow2(e: torch.Tensor) -> torch.Tensor:
@@ -87,7 +89,9 @@ def _pow2(e: torch.Tensor) -> torch.Tensor:
 def _verbatim(q: FP4Tensor, k: torch.Tensor, live: torch.Tensor, m: int) -> FP4Tensor:
     """Codes kept; NVFP4 block scales 2^(k_j - m) snapped into [2^-9, 2^8]; S_dec = 2^m."""
     e = (k - m).clamp(E4M3_EXP_MIN, E4M3_EXP_MAX)
-    scale = torch.where(live, encode_e4m3(_pow2(e)).view(torch.uint8), 0)
+    # the 18 E4M3 bytes of 2^-9 .. 2^8, encoded once and looked up
+    pow2_bytes = encode_e4m3(_pow2(torch.arange(E4M3_EXP_MIN, E4M3_EXP_MAX + 1))).view(torch.uint8).to(k.device)
+    scale = torch.where(live, pow2_bytes[e - E4M3_EXP_MIN], 0)
     scales = scale.repeat_interleave(2, dim=-1).view(torch.float8_e4m3fn)  # two NVFP4 halves
     return FP4Tensor(codes=q.codes, scales=scales, tensor_scale=_pow2(torch.tensor(m)).to(q.codes.device),
                      shape=q.shape, axis=q.axis, block=(1, 16), format=Format.NVFP4, rounding=Rounding.RTNE,
@@ -135,8 +139,9 @@ def mxfp4_to_nvfp4(q_mx: FP4Tensor, method: str | ConvertMethod = ConvertMethod.
         raise ValueError(f"{int((q.scales == UE8M0_NAN).sum())} MXFP4 block scales are NaN (0xFF): "
                          "there is no NVFP4 value to convert them to")
     k, live = _mx_exponents(q)
-    k_max = int(k[live].max()) if live.any() else 0
-    k_min = int(k[live].min()) if live.any() else 0
+    any_live = bool(live.any())  # masked reductions: k[live] would copy every live exponent, twice
+    k_max = int(torch.where(live, k, -(2**62)).max()) if any_live else 0
+    k_min = int(torch.where(live, k, 2**62).min()) if any_live else 0
     if method in (ConvertMethod.HYBRID, ConvertMethod.BEST) and k_max - k_min <= 17:
         # every block in range at the closed-form m: verbatim is exact, so nothing can beat it
         nv = _verbatim(q, k, live, k_max - 8)

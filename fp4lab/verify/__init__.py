@@ -8,16 +8,22 @@ and say precisely where and why it differs.
     check_layout(remap=, rows=, cols=)   the 128x4 swizzle round trip, byte by byte (layout.py)
     diff_quantizers(a, b, x)   where two quantizers disagree and which rule explains each block
                     (quantizer.py)
-    cli.py          ``fp4lab verify gemm | layout | quantizer``
+    check_checkpoint(dir, reference=)   the checkpoint doctor: an NVFP4 model directory against
+                    the layout (ModelOpt, compressed-tensors) it declares, one ``Finding`` per
+                    deviation (checkpoint.py, checkpoint_config.py, checkpoint_reference.py)
+    cli.py          ``fp4lab verify gemm | layout | quantizer | checkpoint``
 
 check_gemm and check_layout return a ``CheckResult`` (ok, rung, message, details; printable);
 diff_quantizers a ``QuantizerDiff``.
 
-Public: ``check_gemm``, ``check_layout``, ``diff_quantizers``, ``CheckResult``, ``QuantizerDiff``,
+Public: ``check_gemm``, ``check_layout``, ``diff_quantizers``, ``check_checkpoint``, ``Finding``,
+``CheckResult``, ``QuantizerDiff``,
 ``as_gemm_fn``, ``fp4_operand``, ``reference_gemm``, ``emulated_gemm``, ``kernels_gemm``,
 ``describe_offset``.
 """
 
+from .checkpoint import check_checkpoint
+from .finding import Finding
 from .gemm import DEFAULT_SHAPES, EXACT_SHAPE, check_gemm
 from .layout import check_layout, describe_offset
 from .operands import as_gemm_fn, emulated_gemm, fp4_operand, kernels_gemm, reference_gemm
@@ -25,7 +31,8 @@ from .quantizer import RULES, QuantizerDiff, diff_quantizers
 from .result import CheckResult
 
 __all__ = [
-    "DEFAULT_SHAPES", "EXACT_SHAPE", "RULES", "CheckResult", "QuantizerDiff", "as_gemm_fn", "check_gemm",
+    "DEFAULT_SHAPES", "EXACT_SHAPE", "RULES", "CheckResult", "Finding", "QuantizerDiff", "as_gemm_fn",
+    "check_checkpoint", "check_gemm",
     "check_layout", "describe_offset", "diff_quantizers", "emulated_gemm", "fp4_operand", "kernels_gemm",
     "reference_gemm",
 ]

@@ -1,4 +1,4 @@
-"""``fp4lab verify gemm | layout | quantizer``: the verifiers from the command line.
+"""``fp4lab verify gemm | layout | quantizer | checkpoint``: the verifiers from the command line.
 
 By default each verb checks fp4lab's own implementations, so the command doubles as a self-test:
 
@@ -8,12 +8,15 @@ By default each verb checks fp4lab's own implementations, so the command doubles
     fp4lab verify layout      formats.swizzle_scales / unswizzle_scales on odd shapes
     fp4lab verify quantizer   the te vs torchao NVFP4 profiles (or two MX modes) on a seeded
                               random tensor with some all-zero and tiny blocks; prints the diff
+    fp4lab verify checkpoint DIR  the checkpoint doctor: DIR against the NVFP4 layout its config
+                              declares, one line per finding (``--json``: a JSON list);
+                              ``--reference SRC`` also checks every value against the MXFP4 source
 
 Exit code: 0 when every check passes (quantizer: always, unless ``--expect-equal`` and they
-differ), 1 otherwise. Wire it into a parent parser with ``add_parser(subparsers)`` and call
+differ; checkpoint: no finding of level error), 1 otherwise. Wire it into a parent parser with ``add_parser(subparsers)`` and call
 ``run(args)`` for the ``verify`` command.
 
-Public: ``add_parser``, ``run``.
+Public: ``add_parser``, ``run``, ``print_findings``.
 """
 
 from __future__ import annotations
@@ -73,13 +76,39 @@ def add_parser(subparsers, name: str = "verify", help: str | None = None) -> arg
     q.add_argument("--seed", type=int, default=0)
     q.add_argument("--examples", type=int, default=4, help="differing blocks to print")
     q.add_argument("--expect-equal", action="store_true", help="exit 1 if they differ")
+    c = verbs.add_parser("checkpoint", help="check an NVFP4 model directory against its declared layout "
+                         "(ModelOpt or compressed-tensors) and name each deviation")
+    c.add_argument("dir", help="the model directory (config.json, *.safetensors)")
+    c.add_argument("--reference", help="the MXFP4 checkpoint it was converted from: check every value too")
+    c.add_argument("--json", action="store_true", help="print the findings as a JSON list")
     p.set_defaults(handler=run)
     return p
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the parsed ``verify`` command; print the results; return the exit code."""
-    return {"gemm": _gemm, "layout": _layout, "quantizer": _quantizer}[args.verify_verb](args)
+    return {"gemm": _gemm, "layout": _layout, "quantizer": _quantizer,
+            "checkpoint": _checkpoint}[args.verify_verb](args)
+
+
+def print_findings(findings: list, subject: str, as_json: bool = False) -> int:
+    """Print the doctor's findings (one line each, or JSON); -> 1 if any is an error, else 0."""
+    import json
+
+    errors = sum(f.level == "error" for f in findings)
+    if as_json:
+        print(json.dumps([f.as_dict() for f in findings], indent=1))
+    else:
+        for finding in findings:
+            print(finding)
+        print(f"{subject}: {'FAIL' if errors else 'PASS'} ({errors} errors, {len(findings) - errors} warnings)")
+    return 1 if errors else 0
+
+
+def _checkpoint(args: argparse.Namespace) -> int:
+    from .checkpoint import check_checkpoint
+
+    return print_findings(check_checkpoint(args.dir, reference=args.reference), args.dir, args.json)
 
 
 def _gemm(args: argparse.Namespace) -> int:
