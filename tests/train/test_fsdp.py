@@ -93,7 +93,12 @@ def test_fp4_layers_quantize_whole_weights_under_fsdp(tmp_path):
         theirs = load_file(str(tmp_path / f"rank{rank}.safetensors"))
         assert theirs.keys() == seen.keys()
         assert [k for k in seen if not torch.equal(theirs[k], seen[k])] == []
-        assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == stats
+        # operand statistics are float reductions: activations and gradients may differ in the
+        # last digits (another thread count sums in another order); the weights above are exact
+        theirs_stats = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert theirs_stats.keys() == stats.keys()
+        for key, values in stats.items():
+            assert theirs_stats[key] == pytest.approx(values, rel=1e-9, abs=1e-12), key
 
 
 def test_fsdp_needs_several_ranks(token_file, tmp_path):
