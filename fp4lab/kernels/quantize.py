@@ -205,19 +205,23 @@ def _squared_error(mag, sbyte, e_b, s_dec):
 def _block_error(sq, TILE_ROWS: tl.constexpr, BR: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr):
     """formats.nvfp4.block_error: [BR, NB, 16] -> [BR, NB], pairwise per block, or per 16x16
     tile by 2x2 quads (a + d) + (b + c), replicated to the tile's rows."""
+    # one return after a constexpr if/else: Triton's compiler (unlike its interpreter) goes on
+    # past a return inside a constexpr branch and would trace the tile path for 1x16 blocks too
     if TILE_ROWS == 1:  # neighbours added pairwise: 16 -> 8 -> 4 -> 2 -> 1
         a, b = tl.split(tl.reshape(sq, (BR, NB, 8, 2)))
         a, b = tl.split(tl.reshape(a + b, (BR, NB, 4, 2)))
         a, b = tl.split(tl.reshape(a + b, (BR, NB, 2, 2)))
         a, b = tl.split(tl.reshape(a + b, (BR, NB, 1, 2)))
-        return tl.reshape(a + b, (BR, NB))
-    T: tl.constexpr = BR // TILE_ROWS
-    t = tl.permute(tl.reshape(sq, (T, TILE_ROWS, NB, BLOCK)), (0, 2, 1, 3))  # [T, NB, rows, cols]
-    t = _quads(t, T, NB, 8)
-    t = _quads(t, T, NB, 4)
-    t = _quads(t, T, NB, 2)
-    t = tl.reshape(_quads(t, T, NB, 1), (T, 1, NB))
-    return tl.reshape(tl.broadcast_to(t, (T, TILE_ROWS, NB)), (BR, NB))
+        err = tl.reshape(a + b, (BR, NB))
+    else:
+        T: tl.constexpr = BR // TILE_ROWS
+        t = tl.permute(tl.reshape(sq, (T, TILE_ROWS, NB, BLOCK)), (0, 2, 1, 3))  # [T, NB, rows, cols]
+        t = _quads(t, T, NB, 8)
+        t = _quads(t, T, NB, 4)
+        t = _quads(t, T, NB, 2)
+        t = tl.reshape(_quads(t, T, NB, 1), (T, 1, NB))
+        err = tl.reshape(tl.broadcast_to(t, (T, TILE_ROWS, NB)), (BR, NB))
+    return err
 
 
 @triton.jit

@@ -1,0 +1,128 @@
+"""Compile every Triton kernel launch fp4lab makes for Hopper (sm_90), on a machine without a GPU.
+
+The CPU tests run the kernels in Triton's interpreter, which accepts programs that Triton's
+compiler rejects (one found on the H200: a `return` inside a constexpr `if` ends an interpreted
+function, while the compiler goes on tracing the code after it). This script runs the public
+kernel entry points with CPU tensors and Triton's launch replaced by a recorder, then compiles
+each distinct launch (argument types, constexprs, options) to a cubin for sm_90: the compiler's
+frontend, its MLIR passes, LLVM and ptxas all run on the CPU. Run without TRITON_INTERPRET.
+
+    python tests/kernels/hopper_compile.py [--list]
+Prints one line per launch and exits 1 if any fails to compile.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+
+assert os.environ.get("TRITON_INTERPRET") != "1", "the compiler is what is tested: unset TRITON_INTERPRET"
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+from triton.runtime.jit import JITFunction, mangle_type  # noqa: E402
+
+HOPPER = GPUTarget("cuda", 90, 32)
+OPTIONS = ("num_warps", "num_stages", "num_ctas", "enable_fp_fusion", "maxnreg")
+
+
+class Recorder:
+    """Stands in for JITFunction.run: keeps (kernel, argument types, constexprs, options), launches nothing."""
+
+    def __init__(self):
+        self.launches: dict[tuple, tuple] = {}
+
+    def __call__(self, fn: JITFunction, *args, grid, warmup, **kwargs):
+        options = {k: kwargs.pop(k) for k in OPTIONS if k in kwargs}
+        bound = fn.signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        types, constexprs = {}, {}
+        for i, (name, value) in enumerate(bound.arguments.items()):
+            if fn.params[i].is_constexpr:
+                types[name] = "constexpr"
+                constexprs[(i,)] = value.value if isinstance(value, triton.language.constexpr) else value
+            else:
+                types[name] = mangle_type(value)
+        key = (fn.__name__, tuple(types.items()), tuple(sorted(constexprs.items())), tuple(sorted(options.items())))
+        self.launches.setdefault(key, (fn, types, constexprs, options))
+
+
+def exercise() -> None:
+    """A covering set of the library's launch configurations, kept small (each compile takes
+    seconds): every scale rule with and without stochastic rounding plus a fused rotation, 1x16
+    and 16x16 blocks, block values, a transposed read, fp32 input; decode; the FP4 and scaled GEMMs."""
+    from fp4lab.kernels import amax, decode, gemm, matmul, quantize
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 64, generator=g).to(torch.bfloat16)
+    full = dict(rounding="stochastic", seed=1, hadamard="random", hadamard_seed=2)
+    for profile, blocks in (("te", (16, (16, 16))), ("torchao", (16,)), ("four_over_six", (16, (16, 16)))):
+        for block in blocks:
+            for extra in ({}, full):
+                _try(quantize.quantize_nvfp4, x, profile=profile, block=block, **extra)
+        _try(quantize.nvfp4_block_values, x, profile=profile)
+    for mode in ("floor", "ceil", "even", "rceil"):
+        for extra in ({}, dict(rounding="stochastic", seed=1)):
+            _try(quantize.quantize_mxfp4, x, mode=mode, **extra)
+    _try(quantize.quantize_mxfp4, x, hadamard="random", hadamard_seed=2)
+    _try(quantize.mxfp4_block_values, x)
+    _try(quantize.quantize_nvfp4, x, axis=0, **full)  # a transposed read
+    _try(quantize.quantize_nvfp4, x.float())
+    _try(amax.finite_amax, x)
+    _try(_decode_and_gemm, x, decode, gemm)
+    a, b = torch.randn(64, 64, generator=g).bfloat16(), torch.randn(64, 64, generator=g).bfloat16()
+    _try(matmul.scaled_mm, a, b, torch.ones(()), out_dtype=torch.bfloat16)
+    _try(matmul.grouped_scaled_mm, a, torch.stack([b, b]), [32, 32], torch.ones(2), out_dtype=torch.float32)
+
+
+def _decode_and_gemm(x, decode, gemm):
+    """Decode and the packed-operand GEMM need real codes: quantize with the reference first."""
+    from fp4lab.formats import quantize_mxfp4, quantize_nvfp4
+    for q in (quantize_nvfp4(x.float()), quantize_mxfp4(x.float())):
+        _try(decode.dequantize, q, torch.float32)
+        _try(decode.block_values, q, torch.bfloat16)
+        _try(gemm.fp4_mm, q, q, out_dtype=torch.bfloat16)
+
+
+def _try(fn, *args, **kwargs) -> None:
+    """The launch is what counts: what the entry point does with the (unwritten) outputs afterwards may fail."""
+    try:
+        fn(*args, **kwargs)
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def main() -> int:
+    recorder = Recorder()
+    real_run = JITFunction.run
+    JITFunction.run = lambda fn, *a, **k: recorder(fn, *a, **k)
+    try:
+        exercise()
+    finally:
+        JITFunction.run = real_run
+    if "--list" in sys.argv:
+        for fn, types, constexprs, options in recorder.launches.values():
+            print(fn.__name__, types, constexprs, options)
+    failed = 0
+    for fn, types, constexprs, options in recorder.launches.values():
+        consts = {fn.arg_names[i[0]]: v for i, v in constexprs.items()}
+        start = time.perf_counter()
+        try:
+            triton.compile(ASTSource(fn=fn, signature=types, constexprs=constexprs), target=HOPPER, options=options)
+            print(f"ok     {time.perf_counter() - start:5.1f} s  {fn.__name__} {consts}")
+        except Exception as e:  # noqa: BLE001
+            failed += 1
+            cause = e
+            while cause.__cause__ is not None:
+                cause = cause.__cause__
+            print(f"FAILED {fn.__name__} {consts}\n{''.join(traceback.format_exception_only(e))}"
+                  f"cause: {cause!r}")
+    print(f"{len(recorder.launches)} launches compiled for sm_90, {failed} failed")
+    return 1 if failed or not recorder.launches else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
