@@ -100,11 +100,52 @@ def _inspect(args: argparse.Namespace) -> int:
     if args.demo is None:
         if args.file is None:
             raise ValueError("give a FILE to inspect, or --demo")
+        if args.file.is_dir():
+            return _inspect_checkpoint(args.file, args)
         return _inspect_file(args.file, args)
     from .inspect import write_demo_tensors
     with tempfile.TemporaryDirectory() as tmp:
         path = write_demo_tensors(Path(tmp) / "demo.safetensors" if args.demo is True else args.demo)
         return _inspect_file(path, args)
+
+
+def _inspect_checkpoint(root: Path, args: argparse.Namespace) -> int:
+    """An FP4 model directory: its stored numbers per module, then the doctor's verdict (NVFP4)."""
+    from .hub import MXFP4, read_checkpoint
+    from .hub.inspect import checkpoint_rows, format_rows
+    from .verify.checkpoint import check_checkpoint
+    from .verify.cli import print_findings
+
+    findings = None
+    try:
+        ckpt = read_checkpoint(root)
+    except ValueError:  # refused: show the doctor's findings, which say why
+        ckpt = None
+    if ckpt is None or ckpt.layout != MXFP4:
+        findings = check_checkpoint(root)
+    rows = checkpoint_rows(ckpt) if ckpt is not None else []
+    if args.json:
+        print(json.dumps({"checkpoint": str(root), "layout": ckpt and ckpt.layout, "modules": rows,
+                          "findings": [f.as_dict() for f in findings or []]}, indent=1))
+    else:
+        if ckpt is not None:
+            print(f"{root}: {ckpt.layout}, {len(rows)} quantized modules, {len(ckpt.dense)} other tensors"
+                  + (", W4A4" if ckpt.w4a4 else ""))
+            print(format_rows(rows))
+        if findings is not None:
+            return print_findings(findings, f"checkpoint doctor, {root}")
+    return 1 if findings and any(f.level == "error" for f in findings) else 0
+
+
+def _quantize(args: argparse.Namespace) -> int:
+    from .hub import quantize_model_dir
+    from .verify.checkpoint import check_checkpoint
+    from .verify.cli import print_findings
+
+    ckpt = quantize_model_dir(args.src, args.dst, layout=args.layout, exclude=tuple(args.exclude))
+    print(f"{args.src} -> {args.dst} ({args.layout}, weight-only NVFP4): {len(ckpt.weights)} modules quantized, "
+          f"{len(ckpt.dense)} tensors kept")
+    return print_findings(check_checkpoint(args.dst), f"checkpoint doctor, {args.dst}")
 
 
 def _convert(args: argparse.Namespace) -> int:
@@ -198,7 +239,9 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _add_inspect(sub, name: str, help: str) -> argparse.ArgumentParser:
     p = sub.add_parser(name, help=help)
-    p.add_argument("file", type=Path, nargs="?", help="a .safetensors file or a torch file of tensors")
+    p.add_argument("file", type=Path, nargs="?", help="a .safetensors file or a torch file of tensors, or an FP4 "
+                   "model directory (NVFP4 ModelOpt / compressed-tensors, gpt-oss MXFP4): its stored scales per "
+                   "module and the checkpoint doctor's verdict")
     p.add_argument("--demo", type=Path, nargs="?", const=True, default=None,
                    help="inspect generated LLM-shaped tensors instead (optionally kept at this path)")
     _add_encoding_args(p)
@@ -295,6 +338,22 @@ def _add_convert(sub, name: str, help: str) -> argparse.ArgumentParser:
     return p
 
 
+def _add_quantize(sub, name: str, help: str) -> argparse.ArgumentParser:
+    p = sub.add_parser(name, help=help, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       description="Post-training quantization, weight-only NVFP4 (W4A16), round to nearest "
+                       "even, of the linear layers of the Hugging Face model directory SRC; embeddings, lm_head, "
+                       "MoE routers and norms stay as they are; q/k/v and gate/up share one global scale. "
+                       "Writes the model directory DST and checks it with the checkpoint doctor.")
+    p.add_argument("src", type=Path, help="a model directory with config.json and .safetensors weights")
+    p.add_argument("dst", type=Path, help="the NVFP4 model directory to write (new or empty)")
+    p.add_argument("--format", choices=["nvfp4"], default="nvfp4")
+    p.add_argument("--layout", choices=["modelopt", "compressed-tensors"], default="modelopt")
+    p.add_argument("--exclude", nargs="*", default=[], metavar="PATTERN",
+                   help="module names (fnmatch wildcards) to keep in high precision")
+    p.set_defaults(handler=_quantize)
+    return p
+
+
 SUBCOMMANDS = {
     "inspect": ("quantize each floating tensor of a file and tabulate the error", _add_inspect),
     "demo": ("train a tiny GPT in BF16, NVFP4 and MXFP4 on the built-in corpus; print the gap table, "
@@ -306,6 +365,8 @@ SUBCOMMANDS = {
     "generate": ("generate text from a trained run; --quantize nvfp4 also post-training quantizes it and "
                  "reports the cost", _add_generate),
     "study": ("run a published FP4 finding as a study (fp4lab study --list)", _add_study),
+    "quantize": ("quantize a Hugging Face model's linear layers to an NVFP4 checkpoint (ModelOpt or "
+                 "compressed-tensors layout)", _add_quantize),
     "convert": ("convert a gpt-oss-style MXFP4 checkpoint to an NVFP4 model directory (ModelOpt or "
                 "compressed-tensors) and check it", _add_convert),
 }

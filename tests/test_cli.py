@@ -49,7 +49,8 @@ def test_corrupt_and_missing_files_get_a_clear_error(tmp_path, capsys):
 def test_every_subcommand_is_registered_one_way_with_a_handler():
     from fp4lab.cli import build_parser
     sub = build_parser()._subparsers._group_actions[0]
-    assert set(sub.choices) == {"inspect", "demo", "train", "report", "verify", "generate", "study", "convert"}
+    assert set(sub.choices) == {"inspect", "demo", "train", "report", "verify", "generate", "study", "convert",
+                                 "quantize"}
     assert all(callable(p.get_default("handler")) for p in sub.choices.values())
     assert "--to" not in sub.choices["convert"].format_help()  # one conversion: nothing to choose
 

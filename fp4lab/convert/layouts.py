@@ -18,8 +18,9 @@ lives in ``config.json`` under ``quantization_config`` (both), and ModelOpt also
 ``exclude_modules`` / ``ignore`` take fnmatch wildcards, compressed-tensors' ``ignore`` and
 ``targets`` take exact names or ``re:`` regular expressions.
 
-Public: ``Layout``, ``LayoutSpec``, ``SPECS``, ``GROUP_SIZE``, ``high_precision_modules``,
-``module_patterns``, ``matches``, ``quantization_config``, ``hf_quant_config``.
+Public: ``Layout``, ``LayoutSpec``, ``SPECS``, ``GROUP_SIZE``, ``FUSED``, ``ROUTERS``,
+``quantized_modules``, ``high_precision_modules``, ``module_patterns``, ``matches``,
+``quantization_config``, ``hf_quant_config``.
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ from ..formats.types import Choice
 GROUP_SIZE = 16
 PRODUCER = {"name": "fp4lab", "version": "0.1.0"}
 _FLOAT_DTYPES = {"F32", "F16", "BF16", "F64", "F8_E4M3", "F8_E5M2"}
+FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"))
+"""projections engines fuse into one GEMM: they need one weight global scale"""
+ROUTERS = frozenset({"router", "gate"})
+"""MoE router leaf names: engines load them in high precision"""
 
 
 class Layout(Choice):
@@ -63,6 +68,17 @@ SPECS = {
                                           global_scale="weight_global_scale", input_scale="input_global_scale",
                                           global_shape=(1,), global_is_encode=True),
 }
+
+
+def quantized_modules(headers: dict[str, tuple[str, list[int]]], layout: Layout) -> list[str]:
+    """Modules stored as NVFP4 in ``layout``: they have codes, and (ModelOpt's codes share the name
+    'weight' with plain weights) block scales or uint8 codes. headers: name -> (dtype, shape)."""
+    spec, out = SPECS[layout], set()
+    for name, (dtype, _) in headers.items():
+        m, _, leaf = name.rpartition(".")
+        if leaf == spec.codes and (spec.codes != "weight" or f"{m}.{spec.scales}" in headers or dtype == "U8"):
+            out.add(m)
+    return sorted(out)
 
 
 def high_precision_modules(headers: dict[str, tuple[str, list[int]]], quantized: set[str]) -> list[str]:
@@ -102,11 +118,13 @@ def module_patterns(names: list[str], others: list[str], syntax: Layout) -> list
     return sorted(out)
 
 
-def quantization_config(layout: Layout, quantized: list[str], high_precision: list[str]) -> dict:
-    """config.json's ``quantization_config`` for a weight-only (W4A16) NVFP4 checkpoint."""
+def quantization_config(layout: Layout, quantized: list[str], high_precision: list[str], *,
+                        w4a4: bool = False) -> dict:
+    """config.json's ``quantization_config`` for a weight-only (W4A16) NVFP4 checkpoint, or with
+    ``w4a4`` one whose activations are NVFP4 too (each module then stores an input global scale)."""
     if layout is Layout.MODELOPT:
         # the config.json form vLLM's ModelOpt loader reads ("ignore", not "exclude_modules")
-        return {"quant_method": "modelopt", "quant_algo": "W4A16_NVFP4", "group_size": GROUP_SIZE,
+        return {"quant_method": "modelopt", "quant_algo": _modelopt_algo(w4a4), "group_size": GROUP_SIZE,
                 "kv_cache_scheme": None, "ignore": module_patterns(high_precision, quantized, layout),
                 "producer": PRODUCER}
     weights = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": GROUP_SIZE,
@@ -114,14 +132,19 @@ def quantization_config(layout: Layout, quantized: list[str], high_precision: li
     return {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
             "quantization_status": "compressed",
             "config_groups": {"group_0": {"targets": module_patterns(quantized, high_precision, layout),
-                                          "weights": weights, "input_activations": None,
+                                          "weights": weights,
+                                          "input_activations": {**weights, "dynamic": "local"} if w4a4 else None,
                                           "output_activations": None, "format": "nvfp4-pack-quantized"}},
             "ignore": module_patterns(high_precision, quantized, layout), "kv_cache_scheme": None,
             "sparsity_config": {}}
 
 
-def hf_quant_config(quantized: list[str], high_precision: list[str]) -> dict:
-    """ModelOpt's ``hf_quant_config.json`` for a weight-only NVFP4 checkpoint."""
+def hf_quant_config(quantized: list[str], high_precision: list[str], *, w4a4: bool = False) -> dict:
+    """ModelOpt's ``hf_quant_config.json`` for an NVFP4 checkpoint (weight-only unless ``w4a4``)."""
     return {"producer": PRODUCER,
-            "quantization": {"quant_algo": "W4A16_NVFP4", "kv_cache_quant_algo": None, "group_size": GROUP_SIZE,
+            "quantization": {"quant_algo": _modelopt_algo(w4a4), "kv_cache_quant_algo": None, "group_size": GROUP_SIZE,
                              "exclude_modules": module_patterns(high_precision, quantized, Layout.MODELOPT)}}
+
+
+def _modelopt_algo(w4a4: bool) -> str:
+    return "NVFP4" if w4a4 else "W4A16_NVFP4"

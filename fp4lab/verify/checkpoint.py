@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from ..convert.layouts import SPECS, Layout, high_precision_modules, matches
+from ..convert.layouts import FUSED, ROUTERS, SPECS, Layout, high_precision_modules, matches, quantized_modules
 from ..convert.stream import open_safetensors
 from .checkpoint_config import Declared, read_declared
 from .finding import Finding
@@ -39,8 +39,6 @@ WEIGHT_AMAX_LIMIT = 1e4
 ACT_AMAX_LIMIT = 1e5
 """activations reach 1e3-1e4 ("massive activations"); the inverse reading of 2688 / amax above"""
 E2M1_MAX, E4M3_MAX = 6.0, 448.0
-_FUSED = [("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3")]
-_ROUTERS = {"router", "gate"}
 
 
 class _Shards:
@@ -170,7 +168,7 @@ def _fused(globals_: dict[str, torch.Tensor]) -> list[Finding]:
     out = []
     for m in sorted(globals_):
         parent, _, leaf = m.rpartition(".")
-        for group in _FUSED:
+        for group in FUSED:
             if leaf != group[0]:
                 continue
             members = [f"{parent}.{p}" for p in group if f"{parent}.{p}" in globals_]
@@ -186,7 +184,7 @@ def _consistency(declared: Declared, quantized: list[str], kept: list[str]) -> l
     out = []
     for m in quantized:
         leaf = m.rpartition(".")[2]
-        if leaf in _ROUTERS:
+        if leaf in ROUTERS:
             out.append(Finding("error", "quantized-router", m, "the MoE router is quantized; engines expect it "
                                "in high precision"))
         elif leaf == "lm_head":
@@ -207,17 +205,6 @@ def _consistency(declared: Declared, quantized: list[str], kept: list[str]) -> l
         if "embed" not in m:  # embeddings are no Linear: an engine does not quantize them
             out.append(Finding("error", "not-ignored", m, "stays in high precision but the config does not "
                                "ignore it: an engine would look for its NVFP4 tensors"))
-    return out
-
-
-def _quantized(headers: dict, codes: str, scales: str) -> set[str]:
-    """Modules stored as NVFP4: they have codes, and (ModelOpt's codes share the name 'weight'
-    with plain weights) block scales or uint8 codes."""
-    out = set()
-    for name, (dtype, _) in headers.items():
-        m, _, leaf = name.rpartition(".")
-        if leaf == codes and (codes != "weight" or f"{m}.{scales}" in headers or dtype == "U8"):
-            out.add(m)
     return out
 
 
@@ -247,7 +234,7 @@ def check_checkpoint(root: str | Path, *, reference: str | Path | None = None) -
                                    f"{declared.layout}"))
             elif name.endswith("_blocks") and name[:-7] + "_scales" in shards.headers:
                 out.append(Finding("error", "unconverted-mxfp4", name[:-7], "MXFP4 pair left unconverted"))
-        quantized = sorted(_quantized(shards.headers, spec.codes, spec.scales))
+        quantized = quantized_modules(shards.headers, declared.layout)
         globals_ = {}
         for m in quantized:
             decode = _module(shards, m, declared, out)
