@@ -148,6 +148,22 @@ def _quantize(args: argparse.Namespace) -> int:
     return print_findings(check_checkpoint(args.dst), f"checkpoint doctor, {args.dst}")
 
 
+def _eval(args: argparse.Namespace) -> int:
+    from .hub.evaluate import evaluate, format_report, plot_layer_error
+
+    if not args.text.is_file():
+        raise FileNotFoundError(f"no such text file: {args.text}")
+    report = evaluate(args.checkpoint, args.text.read_text(errors="replace"), reference=args.reference,
+                      seq_len=args.seq_len, max_windows=args.max_windows)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "eval.json").write_text(json.dumps(report, indent=1))
+        if "layer_error" in report:
+            plot_layer_error(report, args.out / "layer_error.png")
+    print(json.dumps(report, indent=1) if args.json else format_report(report))
+    return 0
+
+
 def _convert(args: argparse.Namespace) -> int:
     from .convert.checkpoint import convert_checkpoint
     from .verify.checkpoint import check_checkpoint
@@ -354,6 +370,24 @@ def _add_quantize(sub, name: str, help: str) -> argparse.ArgumentParser:
     return p
 
 
+def _add_eval(sub, name: str, help: str) -> argparse.ArgumentParser:
+    p = sub.add_parser(name, help=help, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       description="Builds the NVFP4 checkpoint's model with Hugging Face transformers, its "
+                       "quantized Linears computing from the stored codes and scales (FP32 accumulation; "
+                       "activations quantized too in a W4A4 checkpoint), and reports perplexity on TEXT; with "
+                       "--reference (the BF16 model), also its perplexity, top-1 agreement and each layer's "
+                       "relative output error on the reference's inputs.")
+    p.add_argument("checkpoint", type=Path, help="an NVFP4 model directory (ModelOpt or compressed-tensors)")
+    p.add_argument("--text", type=Path, required=True, help="a UTF-8 text file to score")
+    p.add_argument("--reference", type=Path, default=None, help="the high-precision model directory")
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--max-windows", type=int, default=None, help="score at most this many windows")
+    p.add_argument("--out", type=Path, default=None, help="write eval.json and layer_error.png here")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(handler=_eval)
+    return p
+
+
 SUBCOMMANDS = {
     "inspect": ("quantize each floating tensor of a file and tabulate the error", _add_inspect),
     "demo": ("train a tiny GPT in BF16, NVFP4 and MXFP4 on the built-in corpus; print the gap table, "
@@ -367,6 +401,8 @@ SUBCOMMANDS = {
     "study": ("run a published FP4 finding as a study (fp4lab study --list)", _add_study),
     "quantize": ("quantize a Hugging Face model's linear layers to an NVFP4 checkpoint (ModelOpt or "
                  "compressed-tensors layout)", _add_quantize),
+    "eval": ("evaluate an NVFP4 checkpoint on CPU/Hopper by emulation: perplexity, and against its BF16 "
+             "reference top-1 agreement and per-layer error", _add_eval),
     "convert": ("convert a gpt-oss-style MXFP4 checkpoint to an NVFP4 model directory (ModelOpt or "
                 "compressed-tensors) and check it", _add_convert),
 }

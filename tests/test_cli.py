@@ -50,7 +50,7 @@ def test_every_subcommand_is_registered_one_way_with_a_handler():
     from fp4lab.cli import build_parser
     sub = build_parser()._subparsers._group_actions[0]
     assert set(sub.choices) == {"inspect", "demo", "train", "report", "verify", "generate", "study", "convert",
-                                 "quantize"}
+                                 "quantize", "eval"}
     assert all(callable(p.get_default("handler")) for p in sub.choices.values())
     assert "--to" not in sub.choices["convert"].format_help()  # one conversion: nothing to choose
 
