@@ -142,8 +142,15 @@ def _quantize(args: argparse.Namespace) -> int:
     from .verify.checkpoint import check_checkpoint
     from .verify.cli import print_findings
 
-    ckpt = quantize_model_dir(args.src, args.dst, layout=args.layout, exclude=tuple(args.exclude))
-    print(f"{args.src} -> {args.dst} ({args.layout}, weight-only NVFP4): {len(ckpt.weights)} modules quantized, "
+    calibration = None
+    if args.calibration is not None:
+        if not args.calibration.is_file():
+            raise FileNotFoundError(f"no such calibration text: {args.calibration}")
+        calibration = args.calibration.read_text(errors="replace")
+    ckpt = quantize_model_dir(args.src, args.dst, layout=args.layout, exclude=tuple(args.exclude),
+                              calibration=calibration)
+    kind = "W4A4 NVFP4, activation scales calibrated" if ckpt.w4a4 else "weight-only NVFP4"
+    print(f"{args.src} -> {args.dst} ({args.layout}, {kind}): {len(ckpt.weights)} modules quantized, "
           f"{len(ckpt.dense)} tensors kept")
     return print_findings(check_checkpoint(args.dst), f"checkpoint doctor, {args.dst}")
 
@@ -356,8 +363,8 @@ def _add_convert(sub, name: str, help: str) -> argparse.ArgumentParser:
 
 def _add_quantize(sub, name: str, help: str) -> argparse.ArgumentParser:
     p = sub.add_parser(name, help=help, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                       description="Post-training quantization, weight-only NVFP4 (W4A16), round to nearest "
-                       "even, of the linear layers of the Hugging Face model directory SRC; embeddings, lm_head, "
+                       description="Post-training quantization to NVFP4 (weight-only, or W4A4 with "
+                       "--calibration), round to nearest even, of the linear layers of the Hugging Face model directory SRC; embeddings, lm_head, "
                        "MoE routers and norms stay as they are; q/k/v and gate/up share one global scale. "
                        "Writes the model directory DST and checks it with the checkpoint doctor.")
     p.add_argument("src", type=Path, help="a model directory with config.json and .safetensors weights")
@@ -366,6 +373,9 @@ def _add_quantize(sub, name: str, help: str) -> argparse.ArgumentParser:
     p.add_argument("--layout", choices=["modelopt", "compressed-tensors"], default="modelopt")
     p.add_argument("--exclude", nargs="*", default=[], metavar="PATTERN",
                    help="module names (fnmatch wildcards) to keep in high precision")
+    p.add_argument("--calibration", type=Path, default=None, metavar="TEXT",
+                   help="a text file: quantize activations too (W4A4), their global scales from the largest "
+                   "input each Linear sees on it (needs transformers)")
     p.set_defaults(handler=_quantize)
     return p
 

@@ -66,6 +66,11 @@ class Checkpoint:
     def w4a4(self) -> bool:
         return bool(self.input_scales)
 
+    def input_decode(self, module: str) -> torch.Tensor:
+        """The activation decode scale S_dec_a ([] float32) of a W4A4 module, whatever the layout."""
+        stored = self.input_scales[module].float().reshape(())
+        return torch.reciprocal(stored) if SPECS[Layout.parse(self.layout)].global_is_encode else stored
+
 
 def read_checkpoint(root: str | Path) -> Checkpoint:
     """Read the model directory ``root``. ValueError, naming each fault, for a directory the doctor

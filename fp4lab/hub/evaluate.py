@@ -29,17 +29,9 @@ from torch import nn
 from ..formats import FP4Tensor, block_values, dequantize, quantize_nvfp4
 from ..formats.types import Format
 from .checkpoint import MXFP4, Checkpoint, _json, read_checkpoint
+from .hf import transformers_module as _transformers
 
 E2M1_E4M3 = 6.0 * 448.0
-
-
-def _transformers():
-    try:
-        import transformers
-    except ImportError as err:
-        raise ImportError("fp4lab eval builds the model with Hugging Face transformers: pip install "
-                          "'fp4lab[hub]' (or transformers)") from err
-    return transformers
 
 
 class StoredNVFP4Linear(nn.Module):
@@ -86,7 +78,7 @@ def load_emulated(ckpt: Checkpoint, root: Path, dtype: torch.dtype = torch.float
             continue
         if isinstance(module, nn.Linear):
             parent, _, leaf = m.rpartition(".")
-            layer = StoredNVFP4Linear(q, module.bias, ckpt.input_scales.get(m) if ckpt.w4a4 else None)
+            layer = StoredNVFP4Linear(q, module.bias, ckpt.input_decode(m) if m in ckpt.input_scales else None)
             setattr(model.get_submodule(parent) if parent else model, leaf, layer)
             swapped += 1
     return model, {"emulated_linears": swapped, "dequantized_weights": len(ckpt.weights) - swapped}

@@ -9,7 +9,13 @@ NVFP4 te recipe (formats/nvfp4.py): S_enc = 6 * 448 / amax over the whole weight
 projections an engine fuses into one GEMM (q/k/v, gate/up, w1/w3) share one amax, hence one
 global scale, as vLLM and TensorRT-LLM require.
 
-Public: ``quantize_model_dir``, ``is_quantizable``.
+With a calibration text the checkpoint is W4A4 (NVFP4 activations too): the BF16 model runs on
+the text (transformers builds it from the directory) and each quantized Linear's activation
+global scale comes from the largest |input| it saw, S_dec_a = amax / (6 * 448), stored in the
+layout's convention. Only modules the built model holds as an ``nn.Linear`` can be calibrated
+this way (transformers' fused MoE expert tensors cannot: such a model is refused for W4A4).
+
+Public: ``quantize_model_dir``, ``is_quantizable``, ``calibrate``.
 """
 
 from __future__ import annotations
@@ -20,11 +26,13 @@ from pathlib import Path
 
 import torch
 
-from ..convert.layouts import FUSED, ROUTERS, Layout
+from ..convert.layouts import FUSED, ROUTERS, SPECS, Layout
 from ..convert.stream import open_safetensors
 from ..formats import quantize_nvfp4
 from .checkpoint import Checkpoint, _config, _other_files, write_checkpoint
+from .hf import transformers_module
 
+E2M1_E4M3 = 6.0 * 448.0
 _NOT_LINEAR = ROUTERS | {"lm_head", "embed_tokens", "wte", "wpe", "embed", "embeddings", "word_embeddings"}
 
 
@@ -37,9 +45,11 @@ def is_quantizable(name: str, t: torch.Tensor, exclude: tuple[str, ...] = ()) ->
 
 
 def quantize_model_dir(src: str | Path, dst: str | Path, *, layout: str | Layout = Layout.MODELOPT,
-                       exclude: tuple[str, ...] = ()) -> Checkpoint:
-    """HF model directory ``src`` (safetensors shards, config.json) -> NVFP4 model directory ``dst``."""
-    src = Path(src)
+                       exclude: tuple[str, ...] = (), calibration: str | None = None, seq_len: int = 512,
+                       max_windows: int = 8) -> Checkpoint:
+    """HF model directory ``src`` (safetensors shards, config.json) -> NVFP4 model directory ``dst``;
+    W4A4 with a ``calibration`` text, else weight-only."""
+    src, layout = Path(src), Layout.parse(layout)
     shards = sorted(src.glob("*.safetensors")) if src.is_dir() else []
     if not shards:
         raise ValueError(f"{src}: not a model directory with .safetensors weights")
@@ -57,11 +67,50 @@ def quantize_model_dir(src: str | Path, dst: str | Path, *, layout: str | Layout
     amax = _group_amax({k[: -len(".weight")]: tensors[k] for k in chosen})
     weights = {k[: -len(".weight")]: quantize_nvfp4(tensors.pop(k).float(), global_amax=amax[k[: -len(".weight")]])
                for k in chosen}
-    ckpt = Checkpoint(config=_config(src), layout=str(Layout.parse(layout)), weights=weights, dense=tensors,
+    ckpt = Checkpoint(config=_config(src), layout=str(layout), weights=weights, dense=tensors,
                       files=_other_files(src))
+    if calibration is not None:
+        amax = calibrate(src, calibration, seq_len=seq_len, max_windows=max_windows)
+        missing = sorted(set(weights) - set(amax))
+        if missing:
+            raise ValueError(f"W4A4 calibration saw no nn.Linear input for {len(missing)} quantized modules (e.g. "
+                             f"{missing[0]}; fused MoE experts cannot be calibrated here): quantize weight-only")
+        encode = SPECS[layout].global_is_encode
+        for m in weights:
+            s_dec = (amax[m] / E2M1_E4M3).float()
+            if not bool(s_dec > 0):
+                raise ValueError(f"{m}: its calibration input was all zero; no activation scale can be set")
+            ckpt.input_scales[m] = (torch.reciprocal(s_dec) if encode else s_dec).reshape(SPECS[layout].global_shape)
     ckpt.config.pop("quantization_config", None)
     write_checkpoint(ckpt, dst)
     return ckpt
+
+
+@torch.no_grad()
+def calibrate(src: str | Path, text: str, *, seq_len: int = 512, max_windows: int = 8) -> dict[str, torch.Tensor]:
+    """Run the model of directory ``src`` on ``text``; -> per nn.Linear, the largest |input| seen."""
+    transformers = transformers_module()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(src))
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()
+    tokens = torch.tensor(tokenizer(text)["input_ids"], dtype=torch.long)
+    n = min(max(1, tokens.numel() // seq_len), max_windows)
+    amax: dict[str, torch.Tensor] = {}
+
+    def hook(_, args, __, name):
+        seen = args[0].detach().abs().amax().float()
+        amax[name] = torch.maximum(amax[name], seen) if name in amax else seen
+
+    hooks = [module.register_forward_hook(lambda mod, a, y, name=name: hook(mod, a, y, name))
+             for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
+    try:
+        for i in range(n):
+            window = tokens[i * seq_len: (i + 1) * seq_len]
+            if window.numel():
+                model(window[None])
+    finally:
+        for h in hooks:
+            h.remove()
+    return amax
 
 
 def _group_amax(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -104,3 +104,31 @@ def test_eval_refuses_what_it_cannot_score(tmp_path, capsys):
         evaluate(tmp_path / "nv", "the fox", seq_len=64)
     assert main(["eval", str(tmp_path / "nv"), "--text", str(tmp_path / "absent.txt")]) != 0
     assert "no such text file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("layout", ["modelopt", "compressed-tensors"])
+def test_w4a4_ptq_calibrates_activation_scales_and_eval_quantizes_inputs(tmp_path, layout):
+    hf, transformers = _model_dir(tmp_path)
+    quantize_model_dir(hf, tmp_path / "w4a16", layout=layout)
+    quantize_model_dir(hf, tmp_path / "w4a4", layout=layout, calibration=TEXT, seq_len=64, max_windows=2)
+    from fp4lab.verify.checkpoint import check_checkpoint
+    assert check_checkpoint(tmp_path / "w4a4") == []
+    ckpt = read_checkpoint(tmp_path / "w4a4")
+    assert ckpt.w4a4 and set(ckpt.input_scales) == set(ckpt.weights)
+    config = json.loads((tmp_path / "w4a4" / "config.json").read_text())["quantization_config"]
+    assert config.get("quant_algo", "NVFP4") == "NVFP4"
+    # the activation scale is the largest input the layer saw on the calibration windows / (6 * 448)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32).eval()
+    tokens = transformers.AutoTokenizer.from_pretrained(str(hf))(TEXT)["input_ids"][:128]
+    seen = {}
+    o_proj = model.model.layers[1].self_attn.o_proj
+    o_proj.register_forward_hook(lambda m, a, y: seen.setdefault("x", []).append(a[0].abs().max()))
+    with torch.no_grad():
+        model(torch.tensor(tokens[:64])[None]), model(torch.tensor(tokens[64:])[None])
+    expected = max(seen["x"]) / (6 * 448)
+    assert torch.allclose(ckpt.input_decode("model.layers.1.self_attn.o_proj"), expected, rtol=1e-6)
+    a4 = evaluate(tmp_path / "w4a4", TEXT, reference=hf, seq_len=64, max_windows=2)
+    a16 = evaluate(tmp_path / "w4a16", TEXT, reference=hf, seq_len=64, max_windows=2)
+    assert a4["w4a4"] and not a16["w4a4"]
+    # quantizing the inputs too adds error in every layer
+    assert all(a4["layer_error"][m] > a16["layer_error"][m] for m in a16["layer_error"])
