@@ -16,7 +16,8 @@
 #   sweep:MODEL:LRS:TOKENS[:TAG:KEY=VALUE,...]
 #                           BF16 seed spread: MODEL at each learning rate (comma list), seeds 0 1 2,
 #                           TOKENS million tokens each, $JOBS at once (the stable-baseline sweep);
-#                           a TAG names a variant with extra --set values (e.g. qk:model.qk_norm=true)
+#                           a TAG names a variant with extra --set values (e.g. qk:model.qk_norm=true;
+#                           a batch_size among them keeps TOKENS, with fewer steps)
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 FP4LAB_CACHE=${FP4LAB_CACHE:-/tmp/fp4lab-cache} OMP_NUM_THREADS=1
 OUT=${OUT:-/tmp/out}
@@ -28,6 +29,9 @@ sweep() {  # MODEL LRS TOKENS [TAG SETS]
   local model=$1 lrs=$2 millions=$3 tag=${4:-} sets="" batch=64 seq=512 warmup=200 dir
   [ "$model" = d12 ] && { batch=32; seq=1024; warmup=150; }
   [ -n "${5:-}" ] && sets=$(printf -- '--set %s ' ${5//,/ })
+  # a variant's own batch size keeps the token budget: the step count follows it
+  local own=$(grep -o 'batch_size=[0-9]*' <<< "${5:-}" | cut -d= -f2)
+  [ -n "$own" ] && batch=$own
   dir=$ROOT/sweep-$model${tag:+-$tag}
   local steps=$(( millions * 1000000 / (batch * seq) ))
   for lr in ${lrs//,/ }; do for seed in 0 1 2; do
