@@ -352,8 +352,7 @@ def _add_convert(sub, name: str, help: str) -> argparse.ArgumentParser:
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("src", type=Path, help="the MXFP4 model directory or .safetensors file")
     p.add_argument("dst", type=Path, help="the NVFP4 model directory to write (new or empty)")
-    p.add_argument("--layout", choices=["modelopt", "compressed-tensors"], default="modelopt",
-                   help="the NVFP4 tensor names and scale conventions written")
+    _add_layout(p)
     p.add_argument("--method", choices=["requant", "verbatim-mid", "verbatim-search", "hybrid", "best"],
                    default="best", help="how each block's scale is chosen (best: the smallest exact MSE of the candidates)")
     p.add_argument("--verify", action="store_true", help="also check every output value against SRC")
@@ -361,16 +360,21 @@ def _add_convert(sub, name: str, help: str) -> argparse.ArgumentParser:
     return p
 
 
+def _add_layout(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--layout", choices=["modelopt", "compressed-tensors"], default="modelopt",
+                   help="the NVFP4 tensor names and scale conventions written (docs/checkpoints.md)")
+
+
 def _add_quantize(sub, name: str, help: str) -> argparse.ArgumentParser:
     p = sub.add_parser(name, help=help, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                        description="Post-training quantization to NVFP4 (weight-only, or W4A4 with "
-                       "--calibration), round to nearest even, of the linear layers of the Hugging Face model directory SRC; embeddings, lm_head, "
-                       "MoE routers and norms stay as they are; q/k/v and gate/up share one global scale. "
+                       "--calibration), round to nearest even, of the linear layers of the Hugging Face model "
+                       "directory SRC; embeddings, lm_head, MoE routers and norms stay as they are; q/k/v and gate/up share one global scale. "
                        "Writes the model directory DST and checks it with the checkpoint doctor.")
     p.add_argument("src", type=Path, help="a model directory with config.json and .safetensors weights")
     p.add_argument("dst", type=Path, help="the NVFP4 model directory to write (new or empty)")
     p.add_argument("--format", choices=["nvfp4"], default="nvfp4")
-    p.add_argument("--layout", choices=["modelopt", "compressed-tensors"], default="modelopt")
+    _add_layout(p)
     p.add_argument("--exclude", nargs="*", default=[], metavar="PATTERN",
                    help="module names (fnmatch wildcards) to keep in high precision")
     p.add_argument("--calibration", type=Path, default=None, metavar="TEXT",
