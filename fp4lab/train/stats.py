@@ -146,6 +146,21 @@ def interval(values_by_seed: dict[int, float], *, base_mean: float | None = None
     return Interval(mean, half, n, values, seeds, base_mean)
 
 
+def seeds_to_resolve(iv: Interval, effect: float | None = None, *, confidence: float = 0.95,
+                     most: int = 100) -> int | None:
+    """The fewest seeds whose t-interval half-width would fall below |effect| (default: the
+    measured mean gap) if the per-seed differences kept the spread measured in ``iv``; None when
+    that takes more than ``most`` seeds or the spread is unknown (fewer than two seeds)."""
+    size = abs(iv.mean if effect is None else effect)
+    if iv.n < 2 or size == 0:
+        return None
+    sd = statistics.stdev(iv.values)
+    for n in range(2, most + 1):
+        if t_quantile(0.5 + confidence / 2, n - 1) * sd / math.sqrt(n) < size:
+            return n
+    return None
+
+
 def verdict(iv: Interval | None, direction: int) -> str:
     """The claim predicts the difference is > 0 (direction +1) or < 0 (-1) -> one of VERDICTS."""
     if direction not in (1, -1):

@@ -57,3 +57,15 @@ def test_combine_needs_every_part():
     assert combine([REPRODUCED, NOT_RESOLVED]) == NOT_RESOLVED
     assert combine([REPRODUCED, CONTRADICTED]) == CONTRADICTED
     assert combine([]) == NOT_RESOLVED
+
+
+def test_seeds_to_resolve_by_hand():
+    from fp4lab.train.stats import interval, seeds_to_resolve
+    iv = interval({0: 0.01, 1: 0.03, 2: 0.02})  # mean 0.02, sd 0.01
+    # half-width t(0.975, n-1) * 0.01 / sqrt(n) < 0.02: n = 3 gives 4.303 * 0.00577 = 0.0248 (no);
+    # n = 4 gives 3.182 * 0.005 = 0.0159 (yes)
+    assert seeds_to_resolve(iv) == 4
+    # a claimed effect of 0.005: t * 0.01 / sqrt(n) < 0.005 first at n = 18 (2.110 * 0.01 / 4.243 = 0.00497)
+    assert seeds_to_resolve(iv, effect=0.005) == 18
+    assert seeds_to_resolve(iv, effect=1e-6) is None  # more than 100 seeds
+    assert seeds_to_resolve(interval({0: 0.5})) is None  # one seed: no spread known
