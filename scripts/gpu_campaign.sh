@@ -26,17 +26,19 @@ mkdir -p "$ROOT"
 quiet() { grep --line-buffered -v -E "it/s|s/it|step/s|s/step|file/s|run/s|s/run"; }
 
 sweep() {  # MODEL LRS TOKENS [TAG SETS]
-  local model=$1 lrs=$2 millions=$3 tag=${4:-} sets="" batch=64 seq=512 warmup=200 dir
-  [ "$model" = d12 ] && { batch=32; seq=1024; warmup=150; }
+  # the study scales' settings (catalog.py _D6, _D12), so a sweep run pairs with a study run
+  local model=$1 lrs=$2 millions=$3 tag=${4:-} sets="" batch=64 seq=512 warmup=200 every=250 dir
+  [ "$model" = d12 ] && { batch=32; seq=1024; warmup=150; every=125; }
   [ -n "${5:-}" ] && sets=$(printf -- '--set %s ' ${5//,/ })
   # a variant's own batch size keeps the token budget: the step count follows it
   local own=$(grep -o 'batch_size=[0-9]*' <<< "${5:-}" | cut -d= -f2)
   [ -n "$own" ] && batch=$own
   dir=$ROOT/sweep-$model${tag:+-$tag}
-  local steps=$(( millions * 1000000 / (batch * seq) ))
+  local steps=$(( (millions * 1000000 + batch * seq - 1) / (batch * seq) ))  # rounded up, as the studies
   for lr in ${lrs//,/ }; do for seed in 0 1 2; do
     echo "--model $model --data code --recipe bf16 --steps $steps --set batch_size=$batch --set seq_len=$seq \
-      --set lr=$lr --set warmup=$warmup --set eval_every=$(( steps / 4 )) --set seed=$seed --set progress=false \
+      --set lr=$lr --set warmup=$warmup --set eval_every=$every --set eval_batches=16 --set log_every=50 \
+      --set seed=$seed --set progress=false \
       $sets--out $dir/${tag:+$tag-}lr$lr-seed$seed"
   done; done | xargs -P "${JOBS:-3}" -L 1 bash -c \
       'out=${@: -1}; [ -f "$out/receipt.json" ] || python3 -m fp4lab train "$@" 2>&1 | tail -1' _

@@ -42,8 +42,8 @@ from ..train.config import config_identity
 from ..train.loop import TrainConfig, train
 from ..train.receipt import Receipt
 from ..train.report import (arm_table, final_loss, gap_table, load_receipts, paired_gap, plots, provenance,
-                            runs_by_arm)
-from ..train.stats import Interval, interval, seeds_to_resolve
+                            resolution_lines, runs_by_arm)
+from ..train.stats import Interval, interval
 
 SIZES = ("dense", "deep", "moe")
 
@@ -309,26 +309,6 @@ def _scale_line(runs: dict[str, dict[int, Receipt]]) -> str:
 def _pairs(study: Study, baselines: dict, runs: dict) -> list[tuple[str, tuple[str, str]]]:
     pairs = [(a, b) for a, b in baselines.items() if b not in (None, a)] + list(study.comparisons)
     return [(f"{a} - {b}", (a, b)) for a, b in dict.fromkeys(pairs) if a in runs and b in runs]
-
-
-def resolution_lines(gaps: dict) -> list[str]:
-    """The arithmetic behind a scale choice: per gap, the paired spread, the interval's half-width
-    and how many seeds would resolve a gap of the measured size at that spread."""
-    rows = []
-    for label, iv in gaps.items():
-        if iv is None or iv.n < 2:
-            continue
-        sd = statistics.stdev(iv.values)
-        need = seeds_to_resolve(iv)
-        rows.append(f"| {label} | {iv.mean:+.4f} | {sd:.4f} | {iv.half:.4f} ({iv.n} seeds) | "
-                    f"{'resolved' if iv.half < abs(iv.mean) else need if need else 'more than 100'} |")
-    if not rows:
-        return []
-    return ["", "Resolution: the per-seed differences' standard deviation, the 95% half-width it gives, and "
-            "the seeds a gap of the measured size would need at that spread (t-interval half-width below "
-            "|gap|); a study reruns where the effect its claim predicts exceeds the half-width.", "",
-            "| gap | mean | sd of per-seed differences | 95% half-width | seeds to resolve |",
-            "|---|---|---|---|---|", *rows]
 
 
 def write_report(study: Study, out: Path) -> tuple[str, list[Path]]:

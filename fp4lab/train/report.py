@@ -27,7 +27,7 @@ from pathlib import Path
 
 from ..nn.recipe import Recipe
 from .receipt import Receipt
-from .stats import Interval, interval
+from .stats import Interval, interval, seeds_to_resolve
 
 _SEED = re.compile(r"-seed(\d+)$")
 Runs = dict[str, dict[int, Receipt]]
@@ -225,12 +225,11 @@ def plots(receipts: list[Receipt], out_dir: Path, title: str,
         baselines = {arm: base for arm in runs}
     pairs = [(arm, baselines.get(arm)) for arm in runs if baselines.get(arm) not in (None, arm)
              and baselines.get(arm) in runs]
-    if pairs:
+    curves = {(arm, base): gap_curve(runs[arm], runs[base]) for arm, base in pairs}
+    curves = {pair: curve for pair, curve in curves.items() if curve}  # none: the arms share no eval step
+    if curves:
         fig, ax = plt.subplots(figsize=(7, 4))
-        for arm, base in pairs:
-            curve = gap_curve(runs[arm], runs[base])
-            if not curve:
-                continue
+        for (arm, base), curve in curves.items():
             tokens = [t for t, _ in curve]
             line, = ax.plot(tokens, [iv.mean for _, iv in curve], marker="o", markersize=3,
                             label=f"{arm} - {base} ({curve[-1][1].n} seeds)")
@@ -246,6 +245,26 @@ def plots(receipts: list[Receipt], out_dir: Path, title: str,
         written.append(out_dir / "gap.png")
         plt.close(fig)
     return written
+
+
+def resolution_lines(gaps: dict) -> list[str]:
+    """The arithmetic behind a scale choice: per gap, the paired spread, the interval's half-width
+    and how many seeds would resolve a gap of the measured size at that spread."""
+    rows = []
+    for label, iv in gaps.items():
+        if iv is None or iv.n < 2:
+            continue
+        sd = statistics.stdev(iv.values)
+        need = seeds_to_resolve(iv)
+        rows.append(f"| {label} | {iv.mean:+.4f} | {sd:.4f} | {iv.half:.4f} ({iv.n} seeds) | "
+                    f"{'resolved' if iv.half < abs(iv.mean) else need if need else 'more than 100'} |")
+    if not rows:
+        return []
+    return ["", "Resolution: the per-seed differences' standard deviation, the 95% half-width it gives, and "
+            "the seeds a gap of the measured size would need at that spread (t-interval half-width below "
+            "|gap|); a study reruns where the effect its claim predicts exceeds the half-width.", "",
+            "| gap | mean | sd of per-seed differences | 95% half-width | seeds to resolve |",
+            "|---|---|---|---|---|", *rows]
 
 
 def report(run_dirs: list[Path], out_dir: Path, *, title: str = "fp4lab",
@@ -265,6 +284,8 @@ def report(run_dirs: list[Path], out_dir: Path, *, title: str = "fp4lab",
               + (f"; validation: {split['val_docs']} held-out documents, {split['val_tokens']:,} tokens" if split
                  else "") + ")\n\n"
               + (f"Gaps are paired by seed against arm `{base}`." if base else "No BF16 arm: no gaps.") + "\n\n")
-    text = header + arm_table(runs, baselines) + "\n\nEvery run:\n\n" + gap_table(receipts, baselines) + "\n"
+    gaps = {f"{arm} - {base}": paired_gap(runs[arm], runs[base]) for arm in runs if base and arm != base}
+    text = (header + arm_table(runs, baselines) + "\n" + "\n".join(resolution_lines(gaps)) + "\n\nEvery run:\n\n"
+            + gap_table(receipts, baselines) + "\n")
     (out_dir / "report.md").write_text(text)
     return text, [out_dir / "report.md"] + plots(receipts, out_dir, title, baselines)
