@@ -13,6 +13,9 @@
 #                           e.g. fidelity's bf16 and nvfp4 for gap-closers)
 #   study:NAME[:ARM,ARM]    fp4lab study NAME at $SCALE (default gpu-medium), $JOBS runs at once;
 #                           finished runs are skipped, stopped ones resume from their checkpoint
+#   parallel:RECIPES:MODES  d6 at gpu-medium's settings, seed 0, under torchrun on every visible GPU, one
+#                           run per recipe x mode (ddp, fsdp), all at once -> runs/gpu/ddp/ (issue 18:
+#                           the same global batch as the 1-GPU fidelity runs, so seed 0 pairs with them)
 #   sweep:MODEL:LRS:TOKENS[:TAG:KEY=VALUE,...]
 #                           BF16 seed spread: MODEL at each learning rate (comma list), seeds 0 1 2,
 #                           TOKENS million tokens each, $JOBS at once (the stable-baseline sweep);
@@ -46,6 +49,20 @@ sweep() {  # MODEL LRS TOKENS [TAG SETS]
     | grep -E "^\| " | head -20
 }
 
+parallel() {  # RECIPES MODES
+  local recipe mode port=29600 out gpus
+  gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
+  for recipe in ${1//,/ }; do for mode in ${2//,/ }; do
+    port=$((port + 1)); out=$ROOT/ddp/$recipe-$mode-${gpus}gpu-seed0
+    [ -f "$out/receipt.json" ] && continue
+    torchrun --nproc_per_node="$gpus" --master_port=$port -m fp4lab train --model d6 --data code \
+      --recipe "$recipe" --steps 3052 --set vocab_size=8192 --set batch_size=64 --set seq_len=512 --set lr=2e-3 \
+      --set warmup=200 --set eval_every=250 --set eval_batches=16 --set log_every=50 --set seed=0 \
+      --set recipe.seed=0 --set parallel="$mode" --set progress=false --out "$out" 2>&1 | tail -2 &
+  done; done
+  wait
+}
+
 copy_receipts() {  # FROM TO [ARMS]
   local from=$1 to=$2 arms=${3:-} f run
   for f in results/"$from"/*/receipt.json; do
@@ -68,6 +85,7 @@ run_phases() {
       study:*) IFS=: read -r _ name arms <<< "$phase"
                python3 -m fp4lab study "$name" --scale "${SCALE:-gpu-medium}" --jobs "${JOBS:-6}" --out "$ROOT/$name" \
                  ${arms:+--arms ${arms//,/ }} 2>&1 | quiet | grep -v "^|" ;;
+      parallel:*) IFS=: read -r _ recipes modes <<< "$phase"; parallel "$recipes" "$modes" ;;
       sweep:*) IFS=: read -r _ model lrs millions tag sets <<< "$phase"; sweep "$model" "$lrs" "$millions" "$tag" "$sets" ;;
       *) echo "unknown phase $phase" ;;
     esac
