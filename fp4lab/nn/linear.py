@@ -24,7 +24,7 @@ from torch import nn
 
 from ..formats import FP4Tensor
 from .gemms import QuantContext, compute_dtype, fp4_gemms, layer_key, make_call
-from .ops import fp4_gemms_op
+from .ops import fp4_gemms_op, register_recipe
 from .recipe import Recipe
 
 __all__ = ["QuantContext", "FP4Linear", "fp4_linear", "grouped_fp4_linear", "fprop_weight", "layer_key",
@@ -87,6 +87,7 @@ class FP4Linear(nn.Linear):
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self.recipe, self.name = recipe, name
         self.context = context or QuantContext()
+        register_recipe(recipe)  # outside any trace (nn.ops.recipe_index)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, recipe: Recipe, *, name: str,
@@ -97,6 +98,7 @@ class FP4Linear(nn.Linear):
         layer.in_features, layer.out_features = linear.in_features, linear.out_features
         layer.weight, layer.bias = linear.weight, linear.bias
         layer.recipe, layer.name, layer.context = recipe, name, context
+        register_recipe(recipe)
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -36,6 +36,7 @@ from torch import nn
 
 from ..formats.types import Choice
 from .linear import QuantContext, compute_dtype, grouped_fp4_linear
+from .ops import register_recipe
 from .recipe import Recipe
 
 
@@ -86,6 +87,7 @@ class GroupedExperts(nn.Module):
     def use_recipe(self, recipe: Recipe, name: str, context: QuantContext) -> None:
         """Run the expert GEMMs under ``recipe`` (called by nn.swap.quantize_model)."""
         self.recipe, self.name, self.context = recipe, name, context
+        register_recipe(recipe)  # outside any trace (nn.ops.recipe_index)
 
     grouped_mm = True
     """Use torch._grouped_mm where it runs (False: the per-expert loop, e.g. to compare)."""

@@ -19,7 +19,7 @@ where eager multiplies fprop's block values transposed (the same values, tested 
 a dithered weight is dithered again in backward (the same seed). Operand statistics (a Python
 side effect) are not collected here: layers with ``context.collect`` take the eager path.
 
-Public: ``register_recipe``, ``fp4_gemms_op``.
+Public: ``register_recipe``, ``recipe_index``, ``fp4_gemms_op``.
 """
 
 from __future__ import annotations
@@ -29,17 +29,38 @@ import torch
 from .gemms import QuantContext, call_at, gemms_backward, gemms_forward
 from .recipe import Recipe
 
-_RECIPES: list[Recipe] = []
+_RECIPES: list[Recipe] = []  # index -> recipe (equal recipes share one index)
+_SEEN: list[tuple[Recipe, int]] = []  # every recipe object registered, with its index
 
 
-@torch.compiler.assume_constant_result  # a constant per recipe: compiled graphs carry the index
 def register_recipe(recipe: Recipe) -> int:
-    """-> the index of ``recipe`` in this process's registry (added on first sight)."""
-    for i, known in enumerate(_RECIPES):
-        if known is recipe or known == recipe:
+    """-> the index of ``recipe`` in this process's registry (added on first sight). The layers
+    register their recipe when they get it, outside any trace: recipe_index then finds it by
+    identity, which dynamo folds to a constant on every torch version."""
+    for known, i in _SEEN:
+        if known is recipe:
             return i
-    _RECIPES.append(recipe)
-    return len(_RECIPES) - 1
+    for i, known in enumerate(_RECIPES):
+        if known == recipe:
+            break
+    else:
+        _RECIPES.append(recipe)
+        i = len(_RECIPES) - 1
+    _SEEN.append((recipe, i))
+    return i
+
+
+# a recipe first seen inside a trace (fp4_linear called directly on a new recipe): newer dynamo
+# folds the call to a constant; torch 2.11 cannot pass it a frozen dataclass
+_register_traced = torch.compiler.assume_constant_result(register_recipe)
+
+
+def recipe_index(recipe: Recipe) -> int:
+    """register_recipe as a compiled graph can call it: an identity scan dynamo traces."""
+    for known, i in _SEEN:
+        if known is recipe:
+            return i
+    return _register_traced(recipe)
 
 
 def _calls(layers: list[int], recipe: int, clock: torch.Tensor, rank: int):
@@ -98,5 +119,5 @@ _gemms.register_autograd(_backward, setup_context=_setup_context)
 def fp4_gemms_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int],
                  layers: list[int], recipe: Recipe, context: QuantContext, *, grouped: bool) -> torch.Tensor:
     """gemms.fp4_gemms through the custom ops: the layers given by key, at the context's clock."""
-    return _gemms(x, weight, bias, list(sizes), list(layers), register_recipe(recipe), context.clock,
+    return _gemms(x, weight, bias, list(sizes), list(layers), recipe_index(recipe), context.clock,
                   context.rank, grouped)
