@@ -6,7 +6,8 @@ then ``args.handler(args)``. This module's own subcommands (inspect, demo, train
 convert) have theirs below; generate's is ``generate.add_parser``, verify's is
 ``verify.cli.add_parser`` (its handler ``verify.cli.run``). The errors a user's input
 causes (a bad setting, a missing or corrupt file, a checkpoint of another run, a second writer
-of a run folder: ValueError, CheckpointError, RunLockedError) and those of the file system
+of a run folder, an optional dependency not installed: ValueError, CheckpointError, RunLockedError,
+MissingDependency) and those of the file system
 (OSError: a missing file, no permission, a full disk) print as one line with exit code 2;
 anything else is a bug, and its traceback surfaces.
 """
@@ -20,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .train.errors import CheckpointError, RunLockedError
+from .train.errors import CheckpointError, MissingDependency, RunLockedError
 
 
 def _block(text: str) -> int | tuple[int, int]:
@@ -443,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser(command if command in SUBCOMMANDS else "").parse_args(argv)
     try:
         return args.handler(args)
-    except (ValueError, OSError, CheckpointError, RunLockedError) as exc:  # see the module doc
+    except (ValueError, OSError, CheckpointError, RunLockedError, MissingDependency) as exc:  # see the module doc
         print(f"fp4lab {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

@@ -34,7 +34,8 @@ from ..formats.types import Choice
 GROUP_SIZE = 16
 PRODUCER = {"name": "fp4lab", "version": "0.1.0"}
 _FLOAT_DTYPES = {"F32", "F16", "BF16", "F64", "F8_E4M3", "F8_E5M2"}
-FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"))
+FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"),
+         ("q_a_proj", "kv_a_proj_with_mqa"))  # the last: MLA (DeepSeek-V2/V3), fused when q is low-rank
 """projections engines fuse into one GEMM: they need one weight global scale"""
 ROUTERS = frozenset({"router", "gate"})
 """MoE router leaf names: engines load them in high precision"""
@@ -119,13 +120,15 @@ def module_patterns(names: list[str], others: list[str], syntax: Layout) -> list
 
 
 def quantization_config(layout: Layout, quantized: list[str], high_precision: list[str], *,
-                        w4a4: bool = False) -> dict:
+                        w4a4: bool = False, kv_cache: dict | None = None) -> dict:
     """config.json's ``quantization_config`` for a weight-only (W4A16) NVFP4 checkpoint, or with
-    ``w4a4`` one whose activations are NVFP4 too (each module then stores an input global scale)."""
+    ``w4a4`` one whose activations are NVFP4 too (each module then stores an input global scale).
+    ``kv_cache``: a source's KV-cache declarations, carried over (``kv_cache_scheme``)."""
+    scheme = (kv_cache or {}).get("kv_cache_scheme")
     if layout is Layout.MODELOPT:
         # the config.json form vLLM's ModelOpt loader reads ("ignore", not "exclude_modules")
         return {"quant_method": "modelopt", "quant_algo": _modelopt_algo(w4a4), "group_size": GROUP_SIZE,
-                "kv_cache_scheme": None, "ignore": module_patterns(high_precision, quantized, layout),
+                "kv_cache_scheme": scheme, "ignore": module_patterns(high_precision, quantized, layout),
                 "producer": PRODUCER}
     weights = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": GROUP_SIZE,
                "symmetric": True, "dynamic": False}
@@ -135,14 +138,17 @@ def quantization_config(layout: Layout, quantized: list[str], high_precision: li
                                           "weights": weights,
                                           "input_activations": {**weights, "dynamic": "local"} if w4a4 else None,
                                           "output_activations": None, "format": "nvfp4-pack-quantized"}},
-            "ignore": module_patterns(high_precision, quantized, layout), "kv_cache_scheme": None,
+            "ignore": module_patterns(high_precision, quantized, layout), "kv_cache_scheme": scheme,
             "sparsity_config": {}}
 
 
-def hf_quant_config(quantized: list[str], high_precision: list[str], *, w4a4: bool = False) -> dict:
-    """ModelOpt's ``hf_quant_config.json`` for an NVFP4 checkpoint (weight-only unless ``w4a4``)."""
+def hf_quant_config(quantized: list[str], high_precision: list[str], *, w4a4: bool = False,
+                    kv_cache: dict | None = None) -> dict:
+    """ModelOpt's ``hf_quant_config.json`` for an NVFP4 checkpoint (weight-only unless ``w4a4``;
+    ``kv_cache``: a source's ``kv_cache_quant_algo``, carried over)."""
+    algo = (kv_cache or {}).get("kv_cache_quant_algo")
     return {"producer": PRODUCER,
-            "quantization": {"quant_algo": _modelopt_algo(w4a4), "kv_cache_quant_algo": None, "group_size": GROUP_SIZE,
+            "quantization": {"quant_algo": _modelopt_algo(w4a4), "kv_cache_quant_algo": algo, "group_size": GROUP_SIZE,
                              "exclude_modules": module_patterns(high_precision, quantized, Layout.MODELOPT)}}
 
 

@@ -71,7 +71,8 @@ def quantize_nvfp4(x: torch.Tensor, *, axis: int = -1, block: int | tuple[int, i
                    profile: str | NVFP4Profile = NVFP4Profile.TE,
                    global_amax: float | torch.Tensor | None = None,
                    pad: bool = False, hadamard: str | None = None,
-                   hadamard_seed: int | torch.Generator | None = None) -> FP4Tensor:
+                   hadamard_seed: int | torch.Generator | None = None,
+                   global_encode: torch.Tensor | None = None) -> FP4Tensor:
     """x: [...] float32/bf16/fp16 -> FP4Tensor with codes [*lead, L/2] and scales [*lead, L/16].
 
     axis: the contraction axis the 16-element blocks run along; it is stored last.
@@ -81,6 +82,8 @@ def quantize_nvfp4(x: torch.Tensor, *, axis: int = -1, block: int | tuple[int, i
     global_amax: use this amax instead of x's own (e.g. all-reduced across ranks); must be finite.
     pad: zero-pad the quantized axis (and the other one for 16x16) to the block size.
     hadamard / hadamard_seed: rotate x first (signs "none", "te" or "random" from the seed).
+    global_encode: the encode multiplier S_enc itself (te profile), as a checkpoint's static
+      activation scale gives it, instead of 2688 / amax: S_dec is then fp32(1 / S_enc).
     """
     block2 = _nvfp4_block(block)
     rounding = Rounding.parse(rounding)
@@ -89,11 +92,13 @@ def quantize_nvfp4(x: torch.Tensor, *, axis: int = -1, block: int | tuple[int, i
         check_input(x, axis, block2, pad)  # report the caller's shape before the transform's
         x = hadamard_transform(x, axis=axis, size=16, signs=hadamard, seed=hadamard_seed)
     xm, axis = prepare(x, axis, block2, pad)
-    amax = finite_amax(xm) if global_amax is None else _check_amax(global_amax, xm.device)
     xb = blocks_of(xm, 16)  # [*lead, nb, 16]
     b_amax, bad = block_amax(xb, block2[0])  # [*lead, nb]
-
-    s_dec, block_mult = nvfp4_tensor_terms(amax, profile)
+    if global_encode is not None:
+        s_dec, block_mult = _encode_terms(global_encode, global_amax, profile, xm.device)
+    else:
+        amax = finite_amax(xm) if global_amax is None else _check_amax(global_amax, xm.device)
+        s_dec, block_mult = nvfp4_tensor_terms(amax, profile)
     scales, e_b = nvfp4_block_scales(b_amax, s_dec, block_mult, profile, xb=xb, tile_rows=block2[0])
     scaled = torch.clamp(xb * e_b[..., None], -6.0, 6.0).reshape(xm.shape)
     codes = encode_e2m1(scaled, stochastic_bytes(rounding, seed, xm))
@@ -183,6 +188,17 @@ def _nvfp4_block(block: int | tuple[int, int]) -> tuple[int, int]:
     if block == (16, 16):
         return (16, 16)
     raise ValueError(f"NVFP4 blocks are 16 (1x16) or (16, 16), got {block!r}")
+
+
+def _encode_terms(s_enc: torch.Tensor, global_amax, profile: NVFP4Profile,
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(S_dec, block multiplier) of the te profile from a given S_enc (nvfp4_tensor_terms' te branch)."""
+    if global_amax is not None or profile is not NVFP4Profile.TE:
+        raise ValueError("global_encode goes with the te profile and no global_amax")
+    s_enc = s_enc.to(device=device, dtype=torch.float32).reshape(())
+    if not bool(torch.isfinite(s_enc)) or not bool(s_enc > 0):
+        raise ValueError(f"global_encode must be finite and > 0, got {float(s_enc)}")
+    return _f32(1.0, device) / s_enc, s_enc * _f32(1 / 6, device)
 
 
 def _check_amax(global_amax: float | torch.Tensor, device: torch.device) -> torch.Tensor:

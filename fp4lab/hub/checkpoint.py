@@ -19,7 +19,8 @@ An NVFP4 directory is read only when the checkpoint doctor (verify/checkpoint.py
 in it: an unknown or inconsistent layout is refused with the doctor's findings, never guessed at.
 Writing goes through temporary files renamed into place when all is written (convert/checkpoint.py).
 
-Public: ``Checkpoint``, ``read_checkpoint``, ``write_checkpoint``, ``MXFP4``.
+Public: ``Checkpoint``, ``read_checkpoint``, ``write_checkpoint``, ``weight_shards``, ``open_weights``,
+``MXFP4``.
 """
 
 from __future__ import annotations
@@ -61,15 +62,27 @@ class Checkpoint:
     """module -> the activation global scale as stored (W4A4 checkpoints)"""
     files: dict[str, bytes] = field(default_factory=dict)
     """other top-level files (tokenizer, generation config) by name, carried over by a writer"""
+    kv_cache: dict = field(default_factory=dict)
+    """the KV-cache quantization the configs declare (compressed-tensors ``kv_cache_scheme``,
+    ModelOpt ``kv_cache_quant_algo``), carried over by a writer of the same layout"""
 
     @property
     def w4a4(self) -> bool:
         return bool(self.input_scales)
 
     def input_decode(self, module: str) -> torch.Tensor:
-        """The activation decode scale S_dec_a ([] float32) of a W4A4 module, whatever the layout."""
+        """The activation decode scale S_dec_a ([] float32) of a W4A4 module: as stored (ModelOpt) or
+        fp32(1 / g) (compressed-tensors)."""
+        return self._input_scale(module, encode=False)
+
+    def input_encode(self, module: str) -> torch.Tensor:
+        """The activation encode multiplier g ([] float32): as stored (compressed-tensors) or
+        fp32(1 / S_dec_a) (ModelOpt)."""
+        return self._input_scale(module, encode=True)
+
+    def _input_scale(self, module: str, *, encode: bool) -> torch.Tensor:
         stored = self.input_scales[module].float().reshape(())
-        return torch.reciprocal(stored) if SPECS[Layout.parse(self.layout)].global_is_encode else stored
+        return torch.reciprocal(stored) if SPECS[Layout.parse(self.layout)].global_is_encode != encode else stored
 
 
 def read_checkpoint(root: str | Path) -> Checkpoint:
@@ -78,13 +91,10 @@ def read_checkpoint(root: str | Path) -> Checkpoint:
     root = Path(root)
     if not root.is_dir():
         raise FileNotFoundError(f"{root}: not a directory")
-    shards = sorted(root.glob("*.safetensors"))
-    if not shards:
-        raise ValueError(f"{root} holds no .safetensors file")
+    shards = weight_shards(root)
     config = _config(root)
     with contextlib.ExitStack() as stack:
-        opened = [stack.enter_context(open_safetensors(s)) for s in shards]
-        keys = {k: f for f in opened for k in f.keys()}
+        keys = open_weights(stack, shards)
         mx = sorted(k[:-7] for k in keys if k.endswith("_blocks") and k[:-7] + "_scales" in keys)
         if mx:
             weights = {base: mx_tensor(keys[base + "_blocks"], base) for base in mx}
@@ -102,7 +112,7 @@ def read_checkpoint(root: str | Path) -> Checkpoint:
         spec = SPECS[declared.layout]
         headers = {k: (f.get_slice(k).get_dtype(), f.get_slice(k).get_shape()) for k, f in keys.items()}
         out = Checkpoint(config=_without_quantization(config), layout=str(declared.layout), weights={}, dense={},
-                         files=_other_files(root))
+                         files=_other_files(root), kv_cache=_kv_cache(root, config))
         taken = set()
         for m in quantized_modules(headers, declared.layout):
             names = [f"{m}.{spec.codes}", f"{m}.{spec.scales}", f"{m}.{spec.global_scale}"]
@@ -113,7 +123,9 @@ def read_checkpoint(root: str | Path) -> Checkpoint:
             out.weights[m] = _nvfp4(codes, scales, stored, spec.global_is_encode)
             out.stored_globals[m] = stored
             taken.update(names)
-            if f"{m}.{spec.input_scale}" in keys:
+            # activation scales only where the config declares W4A4 (the doctor has checked every
+            # module has one); a stray one in a weight-only checkpoint stays a plain tensor
+            if declared.w4a4:
                 out.input_scales[m] = keys[f"{m}.{spec.input_scale}"].get_tensor(f"{m}.{spec.input_scale}")
                 taken.add(f"{m}.{spec.input_scale}")
         out.dense = {k: f.get_tensor(k) for k, f in keys.items() if k not in taken}
@@ -131,6 +143,10 @@ def write_checkpoint(ckpt: Checkpoint, dst: str | Path, layout: str | Layout | N
     layout = Layout.parse(layout if layout is not None else ckpt.layout)
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
         raise ValueError(f"{dst} exists and is not an empty directory; refusing to write into it")
+    if ckpt.input_scales and set(ckpt.input_scales) != set(ckpt.weights):
+        missing = sorted(set(ckpt.weights) - set(ckpt.input_scales)) or sorted(set(ckpt.input_scales) - set(ckpt.weights))
+        raise ValueError(f"a W4A4 checkpoint needs an activation scale for every quantized module and no other: "
+                         f"{missing[:5]} differ")
     spec, tensors = SPECS[layout], dict(ckpt.dense)
     for m, q in ckpt.weights.items():
         if q.block != (1, 16) or q.axis != q.codes.dim() - 1 or q.scale_layout != "plain":
@@ -145,20 +161,56 @@ def write_checkpoint(ckpt: Checkpoint, dst: str | Path, layout: str | Layout | N
     clash = sorted(set(ckpt.dense) & (set(tensors) - set(ckpt.dense)))
     if clash:
         raise ValueError(f"dense tensors clash with the layout's names: {clash[:5]}")
+    if ckpt.kv_cache and ckpt.layout != str(layout):
+        raise ValueError(f"the checkpoint declares a quantized KV cache ({ckpt.kv_cache}); fp4lab does not "
+                         f"translate it from {ckpt.layout} to {layout}")
     quantized = sorted(ckpt.weights)
     headers = {k: (_st_dtype(v), list(v.shape)) for k, v in tensors.items()}
     kept = high_precision_modules(headers, set(quantized))
-    config = dict(ckpt.config, quantization_config=quantization_config(layout, quantized, kept, w4a4=ckpt.w4a4))
+    config = dict(ckpt.config, quantization_config=quantization_config(layout, quantized, kept, w4a4=ckpt.w4a4,
+                                                                       kv_cache=ckpt.kv_cache))
     files = {dst / _WEIGHTS: lambda out: out.write(save({k: v.contiguous() for k, v in tensors.items()},
                                                         metadata={"format": "pt", "producer": "fp4lab"})),
              dst / "config.json": lambda out: out.write(_json(config))}
     if layout is Layout.MODELOPT:
-        files[dst / "hf_quant_config.json"] = lambda out: out.write(_json(hf_quant_config(quantized, kept,
-                                                                                           w4a4=ckpt.w4a4)))
+        files[dst / "hf_quant_config.json"] = lambda out: out.write(_json(hf_quant_config(
+            quantized, kept, w4a4=ckpt.w4a4, kv_cache=ckpt.kv_cache)))
     for name, blob in ckpt.files.items():
         files[dst / name] = lambda out, blob=blob: out.write(blob)
     _write_together(dst, files)
     return sorted(p.name for p in files)
+
+
+def weight_shards(root: Path) -> list[Path]:
+    """The .safetensors files holding ``root``'s weights: those its index names, when it has one
+    (a directory may hold other copies, e.g. Mistral's consolidated.safetensors), else every one."""
+    index = root / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, AttributeError) as err:
+            raise ValueError(f"{index} is not a safetensors index (a weight_map): {err}") from None
+        missing = [n for n in names if not (root / n).is_file()]
+        if missing:
+            raise ValueError(f"{index} names shards that are not there: {missing[:3]}")
+        return [root / n for n in names]
+    shards = sorted(root.glob("*.safetensors"))
+    if not shards:
+        raise ValueError(f"{root} holds no .safetensors file")
+    return shards
+
+
+def open_weights(stack: contextlib.ExitStack, shards: list[Path]) -> dict:
+    """tensor name -> the open file holding it (closed with ``stack``); a name in two files is an error."""
+    keys: dict = {}
+    for shard in shards:
+        f = stack.enter_context(open_safetensors(shard))
+        for k in f.keys():
+            if k in keys:
+                raise ValueError(f"{k} is in two weight files (the second: {shard.name}); give the directory "
+                                 "a model.safetensors.index.json naming the shards to read")
+            keys[k] = f
+    return keys
 
 
 def _nvfp4(codes: torch.Tensor, scales: torch.Tensor, stored: torch.Tensor, encode: bool) -> FP4Tensor:
@@ -170,10 +222,14 @@ def _nvfp4(codes: torch.Tensor, scales: torch.Tensor, stored: torch.Tensor, enco
 
 
 def _stored_global(ckpt: Checkpoint, m: str, layout: Layout) -> torch.Tensor:
-    """The weight global scale in ``layout``'s convention: as read when the layout is the same,
-    else from S_dec (fp32 1 / S_dec for compressed-tensors)."""
-    if m in ckpt.stored_globals and ckpt.layout == str(layout):
-        return ckpt.stored_globals[m]
+    """The weight global scale in ``layout``'s convention: as read when the layout is the same and
+    it still decodes to the weight's S_dec (a replaced weight has its own), else from S_dec
+    (fp32 1 / S_dec for compressed-tensors)."""
+    stored = ckpt.stored_globals.get(m)
+    if stored is not None and ckpt.layout == str(layout) and torch.equal(
+            _nvfp4(ckpt.weights[m].codes, ckpt.weights[m].scales, stored, SPECS[layout].global_is_encode).tensor_scale,
+            ckpt.weights[m].tensor_scale.float().reshape(())):
+        return stored
     s_dec = ckpt.weights[m].tensor_scale.float()
     value = torch.reciprocal(s_dec) if SPECS[layout].global_is_encode else s_dec
     return value.reshape(SPECS[layout].global_shape)
@@ -198,15 +254,34 @@ def _config(root: Path) -> dict:
         raise ValueError(f"{path} is not valid JSON: {err}") from None
 
 
+def _kv_cache(root: Path, config: dict) -> dict:
+    """The KV-cache declarations of config.json's quantization_config and hf_quant_config.json."""
+    found = {}
+    scheme = (config.get("quantization_config") or {}).get("kv_cache_scheme")
+    if scheme is not None:
+        found["kv_cache_scheme"] = scheme
+    hf = root / "hf_quant_config.json"
+    if hf.exists():
+        algo = (json.loads(hf.read_text()).get("quantization") or {}).get("kv_cache_quant_algo")
+        if algo is not None:
+            found["kv_cache_quant_algo"] = algo
+    return found
+
+
 def _without_quantization(config: dict) -> dict:
     return {k: v for k, v in config.items() if k != "quantization_config"}
 
 
+_WEIGHT_SUFFIXES = {".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx"}
+
+
 def _other_files(root: Path) -> dict[str, bytes]:
-    skip = {"config.json", "hf_quant_config.json", "quantization_config.json", "model.safetensors.index.json",
-            "conversion_report.json"}
+    """The files a writer carries over: tokenizer, generation config, licence; never weights in
+    any format (the written weights replace them) nor the configs and indexes it writes anew."""
+    skip = {"config.json", "hf_quant_config.json", "quantization_config.json", "conversion_report.json"}
     return {p.name: p.read_bytes() for p in sorted(root.iterdir())
-            if p.is_file() and p.suffix != ".safetensors" and p.name not in skip}
+            if p.is_file() and p.suffix not in _WEIGHT_SUFFIXES and not p.name.endswith(".index.json")
+            and p.name not in skip}
 
 
 _ST_DTYPES = {torch.uint8: "U8", torch.float8_e4m3fn: "F8_E4M3", torch.float32: "F32", torch.bfloat16: "BF16",

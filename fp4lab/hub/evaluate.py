@@ -31,30 +31,37 @@ from ..formats.types import Format
 from .checkpoint import MXFP4, Checkpoint, _json, read_checkpoint
 from .hf import transformers_module as _transformers
 
-E2M1_E4M3 = 6.0 * 448.0
-
-
 class StoredNVFP4Linear(nn.Module):
-    """A Linear computing with a checkpoint's NVFP4 weight as stored (module docstring)."""
+    """A Linear computing with a checkpoint's NVFP4 weight as stored (module docstring).
 
-    def __init__(self, weight: FP4Tensor, bias: torch.Tensor | None, input_scale: torch.Tensor | None = None):
+    W4A4: ``input_encode`` is the activation's encode multiplier g and ``input_decode`` the
+    factor the GEMM's output takes, as engines derive them from the checkpoint (vLLM: ModelOpt
+    stores S_dec_a, so g = fp32(1 / S_dec_a) and the output takes S_dec_a as stored;
+    compressed-tensors stores g, and the output takes fp32(1 / g)). Block scales come from g:
+    e4m3(block amax * g * fp32(1/6)), the te rule."""
+
+    def __init__(self, weight: FP4Tensor, bias: torch.Tensor | None, input_encode: torch.Tensor | None = None,
+                 input_decode: torch.Tensor | None = None):
         super().__init__()
         if weight.format is not Format.NVFP4 or weight.codes.dim() != 2:
             raise ValueError(f"StoredNVFP4Linear takes a 2-D NVFP4 weight, got {weight.format} {list(weight.shape)}")
+        if (input_encode is None) != (input_decode is None):
+            raise ValueError("a W4A4 layer needs both the activation encode and decode scales")
         self.out_features, self.in_features = weight.shape
-        self.register_buffer("values", block_values(weight)[:, : self.in_features].contiguous())
+        # code * s_b has at most 5 significant bits, within 2^-10..2688: exact in BF16, half of FP32's memory
+        self.register_buffer("values", block_values(weight)[:, : self.in_features].to(torch.bfloat16).contiguous())
         self.register_buffer("s_dec", weight.tensor_scale.float().reshape(()))
         self.register_buffer("bias", None if bias is None else bias.detach().float())
-        # the activation's global amax that reproduces the stored decode scale: S_dec_a * 6 * 448
-        self.register_buffer("input_amax", None if input_scale is None else input_scale.float().reshape(()) * E2M1_E4M3)
+        self.register_buffer("input_encode", None if input_encode is None else input_encode.float().reshape(()))
+        self.register_buffer("input_decode", None if input_decode is None else input_decode.float().reshape(()))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead, xf = x.shape[:-1], x.reshape(-1, self.in_features).float()
         alpha = self.s_dec
-        if self.input_amax is not None:
-            qa = quantize_nvfp4(xf, global_amax=self.input_amax)
-            xf, alpha = block_values(qa)[:, : self.in_features], alpha * qa.tensor_scale
-        y = (xf @ self.values.T) * alpha
+        if self.input_encode is not None:
+            qa = quantize_nvfp4(xf, global_encode=self.input_encode)
+            xf, alpha = block_values(qa)[:, : self.in_features], alpha * self.input_decode
+        y = (xf @ self.values.float().T) * alpha
         if self.bias is not None:
             y = y + self.bias
         return y.to(x.dtype).reshape(*lead, self.out_features)
@@ -78,7 +85,9 @@ def load_emulated(ckpt: Checkpoint, root: Path, dtype: torch.dtype = torch.float
             continue
         if isinstance(module, nn.Linear):
             parent, _, leaf = m.rpartition(".")
-            layer = StoredNVFP4Linear(q, module.bias, ckpt.input_decode(m) if m in ckpt.input_scales else None)
+            w4a4 = m in ckpt.input_scales
+            layer = StoredNVFP4Linear(q, module.bias, ckpt.input_encode(m) if w4a4 else None,
+                                      ckpt.input_decode(m) if w4a4 else None)
             setattr(model.get_submodule(parent) if parent else model, leaf, layer)
             swapped += 1
     return model, {"emulated_linears": swapped, "dequantized_weights": len(ckpt.weights) - swapped}

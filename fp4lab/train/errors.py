@@ -1,7 +1,8 @@
-"""The errors of a run folder that a user's action causes, kept apart from the modules that raise
-them (checkpoint.py, lock.py) so the command line can name them without importing torch.
+"""The errors a user's action or install causes (a run folder's, a missing optional dependency),
+kept apart from the modules that raise them (checkpoint.py, lock.py, hub/hf.py) so the command
+line can name them without importing torch.
 
-Public: ``CheckpointError``, ``RunLockedError``.
+Public: ``CheckpointError``, ``RunLockedError``, ``MissingDependency``.
 """
 
 
@@ -11,3 +12,7 @@ class CheckpointError(RuntimeError):
 
 class RunLockedError(RuntimeError):
     """Another live process is writing this run directory."""
+
+
+class MissingDependency(ImportError):
+    """An optional dependency a command needs is not installed."""

@@ -164,14 +164,23 @@ def _input_scale(shards: _Shards, m: str, declared: Declared, lead: list[int], o
                                "convention?"))
 
 
-def _fused(globals_: dict[str, torch.Tensor]) -> list[Finding]:
-    out = []
-    for m in sorted(globals_):
+def _fused(globals_: dict[str, torch.Tensor], kept: list[str]) -> list[Finding]:
+    """Projections an engine fuses into one GEMM: all quantized or none, with one global scale."""
+    out, modules, seen = [], set(globals_) | set(kept), set()
+    for m in sorted(modules):
         parent, _, leaf = m.rpartition(".")
         for group in FUSED:
-            if leaf != group[0]:
+            if leaf not in group or (parent, group) in seen:
                 continue
-            members = [f"{parent}.{p}" for p in group if f"{parent}.{p}" in globals_]
+            seen.add((parent, group))
+            present = [f"{parent}.{p}" for p in group if f"{parent}.{p}" in modules]
+            members = [n for n in present if n in globals_]
+            if members and len(members) < len(present):
+                leaves = lambda names: ", ".join(n.rpartition(".")[2] for n in names)  # noqa: E731
+                out.append(Finding("error", "fused-partly-quantized", parent, f"{leaves(members)} quantized but "
+                                   f"{leaves(n for n in present if n not in globals_)} in high precision; an "
+                                   "engine fuses them into one GEMM of one format"))
+                continue
             values = [globals_[n] for n in members]
             if any(v.shape != values[0].shape or not torch.equal(v, values[0]) for v in values):
                 shown = ", ".join(f"{n.rpartition('.')[2]} {float(v.max()):.6g}" for n, v in zip(members, values))
@@ -241,8 +250,9 @@ def check_checkpoint(root: str | Path, *, reference: str | Path | None = None) -
             if decode is not None:
                 globals_[m] = decode
             _input_scale(shards, m, declared, shards.headers[f"{m}.{spec.codes}"][1][:-2], out)
-        out += _fused(globals_)
-        out += _consistency(declared, quantized, high_precision_modules(shards.headers, set(quantized)))
+        kept = high_precision_modules(shards.headers, set(quantized))
+        out += _fused(globals_, kept)
+        out += _consistency(declared, quantized, kept)
         if not quantized:
             out.append(Finding("error", "no-quantized-module", str(root), f"no {declared.layout} NVFP4 module found"))
         if reference is not None:

@@ -225,6 +225,30 @@ def test_global_amax_is_used():
         quantize_nvfp4(x, global_amax=float("nan"))
 
 
+@settings(max_examples=40, deadline=None)
+@given(amax=st.floats(1e-30, 1e30), seed=st.integers(0, 2**16))
+def test_a_given_encode_multiplier_is_the_amax_path_with_that_multiplier(amax, seed):
+    # global_encode skips only the step S_enc = 2688 / amax: given that S_enc, the bytes agree
+    x = sample((4, 32), seed % 7) * np.float32(amax / 8)
+    s_enc = torch.tensor(np.float32(2688) / np.float32(amax))
+    if not bool(torch.isfinite(s_enc)) or not bool(s_enc > 0):
+        return
+    by_amax, by_encode = quantize_nvfp4(x, global_amax=amax), quantize_nvfp4(x, global_encode=s_enc)
+    assert torch.equal(by_amax.codes, by_encode.codes) and torch.equal(scale_bytes(by_amax), scale_bytes(by_encode))
+    assert by_encode.tensor_scale.item() == np.float32(1) / s_enc.item()
+
+
+def test_a_given_encode_multiplier_must_be_positive_and_alone():
+    x = sample((4, 32), 3)
+    for bad in (0.0, -1.0, math.nan, math.inf):
+        with pytest.raises(ValueError, match="global_encode"):
+            quantize_nvfp4(x, global_encode=torch.tensor(bad))
+    with pytest.raises(ValueError, match="global_encode"):
+        quantize_nvfp4(x, global_encode=torch.tensor(2.0), global_amax=1.0)
+    with pytest.raises(ValueError, match="global_encode"):
+        quantize_nvfp4(x, global_encode=torch.tensor(2.0), profile="torchao")
+
+
 @pytest.mark.parametrize("profile", ["te", "torchao"])
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
 def test_a_non_finite_block_is_nan_and_the_rest_is_untouched(profile, bad):

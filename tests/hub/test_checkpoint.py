@@ -194,5 +194,100 @@ def test_ptq_refuses_bad_input_and_leaves_nothing_behind(tmp_path):
     src2, _ = llama_dir(tmp_path / "hf2")
     with pytest.raises(ValueError, match="not an empty directory"):
         quantize_model_dir(src2, tmp_path / "full")
-    with pytest.raises(ValueError, match="not a model directory"):
+    with pytest.raises(ValueError, match="no .safetensors"):
         quantize_model_dir(tmp_path / "full", tmp_path / "nv2")
+    # an already-quantized source: by its config, or by its tensors
+    quantize_model_dir(src2, tmp_path / "nv3")
+    with pytest.raises(ValueError, match="already quantized"):
+        quantize_model_dir(tmp_path / "nv3", tmp_path / "nv4")
+    (tmp_path / "nv3" / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(ValueError, match="holds quantized tensors"):
+        quantize_model_dir(tmp_path / "nv3", tmp_path / "nv4")
+    # an exclusion that splits a fused group
+    with pytest.raises(ValueError, match="k_proj would stay in high precision"):
+        quantize_model_dir(src2, tmp_path / "nv5", exclude=("*.k_proj",))
+    assert not any(p.exists() for p in (tmp_path / "nv4", tmp_path / "nv5"))
+
+
+def test_ptq_quantizes_linears_only_and_reads_the_shards_its_index_names(tmp_path):
+    src, t = llama_dir(tmp_path / "hf")
+    g = torch.Generator().manual_seed(1)
+    extra = {"gpt_neox.embed_out.weight": torch.randn(96, 64, generator=g),       # an output head
+             "model.embed_positions.weight": torch.randn(32, 64, generator=g),    # position embeddings
+             "model.layers.0.conv.weight": torch.randn(64, 64, 16, generator=g)}  # a convolution
+    save_file({k: v.bfloat16() for k, v in extra.items()}, str(src / "extra.safetensors"))
+    # a stale full copy beside the shards, as Mistral ships consolidated.safetensors: the index decides
+    save_file({k: v * 2 for k, v in t.items()}, str(src / "consolidated.safetensors"))
+    (src / "pytorch_model.bin").write_bytes(b"old weights")
+    weight_map = {**{k: "model.safetensors" for k in t}, **{k: "extra.safetensors" for k in extra}}
+    (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    ckpt = quantize_model_dir(src, tmp_path / "nv")
+    assert len(ckpt.weights) == 14 and not set(extra) & {f"{m}.weight" for m in ckpt.weights}
+    out = _tensors(tmp_path / "nv" / "model.safetensors")
+    assert all(torch.equal(out[k], v.bfloat16()) for k, v in extra.items())
+    assert torch.equal(out["lm_head.weight"], t["lm_head.weight"])  # the indexed copy, not the doubled one
+    assert not (tmp_path / "nv" / "pytorch_model.bin").exists()
+    (src / "model.safetensors.index.json").unlink()
+    with pytest.raises(ValueError, match="in two weight files"):
+        quantize_model_dir(src, tmp_path / "nv2")
+
+
+def test_gpt2_conv1d_projections_are_refused_without_transformers(tmp_path, monkeypatch):
+    import fp4lab.hub.ptq as ptq
+    src, _ = llama_dir(tmp_path / "hf")
+    (src / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    monkeypatch.setattr(ptq, "has_transformers", lambda: False)
+    with pytest.raises(ValueError, match="Conv1D"):
+        quantize_model_dir(src, tmp_path / "nv")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_stray_input_scale_in_a_weight_only_checkpoint_stays_a_plain_tensor(tmp_path, layout):
+    src, _ = llama_dir(tmp_path / "hf")
+    quantize_model_dir(src, tmp_path / "a", layout=layout)
+    t = _tensors(tmp_path / "a" / "model.safetensors")
+    stray = f"model.layers.0.self_attn.o_proj.{'input_scale' if layout == 'modelopt' else 'input_global_scale'}"
+    t[stray] = torch.tensor(0.01).reshape(() if layout == "modelopt" else (1,))
+    save_file(t, str(tmp_path / "a" / "model.safetensors"))
+    ckpt = read_checkpoint(tmp_path / "a")
+    assert not ckpt.w4a4 and stray in ckpt.dense  # the config declares W4A16: not an activation scale
+    write_checkpoint(ckpt, tmp_path / "b")
+    b = _tensors(tmp_path / "b" / "model.safetensors")
+    assert b.keys() == t.keys() and all(_same_bits(t[k], b[k]) for k in t)
+    # a W4A4 checkpoint with an activation scale for some modules only cannot be written
+    ckpt.dense.pop(stray)
+    ckpt.input_scales["model.layers.0.self_attn.o_proj"] = torch.tensor(0.01)
+    with pytest.raises(ValueError, match="activation scale for every quantized module"):
+        write_checkpoint(ckpt, tmp_path / "c")
+    assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_kv_cache_declaration_is_carried_and_a_replaced_weight_gets_its_own_global(tmp_path, layout):
+    src, t = llama_dir(tmp_path / "hf")
+    quantize_model_dir(src, tmp_path / "a", layout=layout)
+    scheme = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
+    config = json.loads((tmp_path / "a" / "config.json").read_text())
+    config["quantization_config"]["kv_cache_scheme"] = scheme
+    (tmp_path / "a" / "config.json").write_text(json.dumps(config))
+    if layout == "modelopt":
+        hf = json.loads((tmp_path / "a" / "hf_quant_config.json").read_text())
+        hf["quantization"]["kv_cache_quant_algo"] = "FP8"
+        (tmp_path / "a" / "hf_quant_config.json").write_text(json.dumps(hf))
+    ckpt = read_checkpoint(tmp_path / "a")
+    m = "model.layers.1.self_attn.o_proj"
+    ckpt.weights[m] = quantize_nvfp4(t[f"{m}.weight"].float() * 7)  # a new weight, a new S_dec
+    write_checkpoint(ckpt, tmp_path / "b")
+    assert check_checkpoint(tmp_path / "b") == []
+    written = json.loads((tmp_path / "b" / "config.json").read_text())["quantization_config"]
+    assert written["kv_cache_scheme"] == scheme
+    if layout == "modelopt":
+        hf = json.loads((tmp_path / "b" / "hf_quant_config.json").read_text())
+        assert hf["quantization"]["kv_cache_quant_algo"] == "FP8"
+    back = read_checkpoint(tmp_path / "b")
+    assert torch.equal(back.weights[m].codes, ckpt.weights[m].codes)
+    assert torch.allclose(back.weights[m].tensor_scale, ckpt.weights[m].tensor_scale, rtol=2 ** -23, atol=0)
+    other = "model.layers.1.mlp.down_proj"  # untouched: its stored scalar kept byte for byte
+    assert _same_bits(back.stored_globals[other], ckpt.stored_globals[other])
+    with pytest.raises(ValueError, match="KV cache"):
+        write_checkpoint(ckpt, tmp_path / "c", layout=[x for x in LAYOUTS if x != layout][0])

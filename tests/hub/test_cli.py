@@ -53,4 +53,20 @@ def test_inspect_reads_mxfp4(tmp_path, capsys):
 def test_quantize_refuses_a_bad_directory_in_one_line(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     assert main(["quantize", str(tmp_path / "empty"), str(tmp_path / "out")]) != 0
-    assert "not a model directory" in capsys.readouterr().err and not (tmp_path / "out").exists()
+    assert "no .safetensors" in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
+def test_a_missing_transformers_is_one_line_and_nothing_is_written(tmp_path, capsys, monkeypatch):
+    import fp4lab.hub.ptq as ptq
+    from fp4lab.train.errors import MissingDependency
+
+    def missing():
+        raise MissingDependency("this builds the model with Hugging Face transformers: pip install 'fp4lab[hub]'")
+    monkeypatch.setattr(ptq, "has_transformers", lambda: False)
+    monkeypatch.setattr(ptq, "transformers_module", missing)
+    src, _ = llama_dir(tmp_path / "hf")
+    (tmp_path / "calib.txt").write_text("some text")
+    assert main(["quantize", str(src), str(tmp_path / "nv"), "--calibration", str(tmp_path / "calib.txt")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "pip install 'fp4lab[hub]'" in err and "Traceback" not in err
+    assert not (tmp_path / "nv").exists()

@@ -25,14 +25,48 @@ def test_stored_linear_is_the_reference_fp4_gemm():
     expected = (x.reshape(-1, 64) @ (torch.nan_to_num(qw.scales.float()).repeat_interleave(16, 1)
                                      * _codes(qw)).T) * qw.tensor_scale + b
     assert torch.allclose(y.reshape(-1, 48), expected, rtol=1e-6, atol=1e-6)
-    # W4A4: the input quantized with the static activation scale, then the reference scaled GEMM
-    amax = x.abs().max()
-    s_dec_a = amax / (6 * 448)
-    y4 = StoredNVFP4Linear(qw, None, input_scale=s_dec_a)(x).reshape(-1, 48)
-    qa = quantize_nvfp4(x.reshape(-1, 64), global_amax=s_dec_a * 6 * 448)
-    assert torch.allclose(y4, scaled_mm(qa, qw), rtol=1e-6, atol=1e-5)
+    # W4A4 with a ModelOpt-style stored S_dec_a: the engines' arithmetic, by a scalar oracle
+    # S_dec_a where 2688 / (S_dec_a * 2688), the encode scale an amax would give, is 1 ulp off
+    # fp32(1 / S_dec_a); a block of amax b then lands on the E4M3 tie 1.0625 with one and not the other
+    s_dec_a = torch.tensor(0.0023945935536175966)
+    g = torch.reciprocal(s_dec_a)
+    xa = x.reshape(-1, 64) / 3
+    xa[0, :16] *= 0.015265533700585365 / float(xa[0, :16].abs().max())
+    y4 = StoredNVFP4Linear(qw, None, input_encode=g, input_decode=s_dec_a)(xa).reshape(-1, 48)
+    xq = torch.tensor([[v for k0 in range(0, 64, 16) for v in _oracle_block(row[k0:k0 + 16].tolist(), g)]
+                       for row in xa])
+    wv = torch.nan_to_num(qw.scales.float()).repeat_interleave(16, 1) * _codes(qw)
+    expected4 = (xq @ wv.T) * (qw.tensor_scale * s_dec_a)
+    assert torch.allclose(y4, expected4, rtol=1e-6, atol=1e-5)
+    with pytest.raises(ValueError, match="both"):
+        StoredNVFP4Linear(qw, None, input_encode=g)
     with pytest.raises(ValueError, match="2-D NVFP4"):
         StoredNVFP4Linear(quantize_nvfp4(torch.randn(2, 4, 32)), None)
+
+
+E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+
+
+def _f32(v):
+    return float(torch.tensor(float(v), dtype=torch.float32))
+
+
+def _oracle_block(xs, g):
+    """One block of 16 activations as an engine quantizes it with encode multiplier g: block scale
+    e4m3(amax * (g * fp32(1/6))), element scale 1 / (scale * fp32(1 / g)), E2M1 to nearest, ties
+    to the even code; -> the dequantized block values (code * block scale)."""
+    g = _f32(g)
+    mult = _f32(g * _f32(1 / 6))
+    sb = float(torch.tensor(min(_f32(max(abs(v) for v in xs) * mult), 448.0)).to(torch.float8_e4m3fn).float())
+    if sb == 0:
+        return [0.0] * 16
+    e = _f32(1.0 / _f32(sb * _f32(1.0 / g)))
+    out = []
+    for v in xs:
+        a = min(abs(_f32(v * e)), 6.0)
+        best = min(range(8), key=lambda i: (abs(E2M1[i] - a), i % 2))  # ties: the even code
+        out.append((E2M1[best] if v >= 0 else -E2M1[best]) * sb)
+    return out
 
 
 def _codes(q):
@@ -116,7 +150,10 @@ def test_w4a4_ptq_calibrates_activation_scales_and_eval_quantizes_inputs(tmp_pat
     ckpt = read_checkpoint(tmp_path / "w4a4")
     assert ckpt.w4a4 and set(ckpt.input_scales) == set(ckpt.weights)
     config = json.loads((tmp_path / "w4a4" / "config.json").read_text())["quantization_config"]
-    assert config.get("quant_algo", "NVFP4") == "NVFP4"
+    if layout == "modelopt":
+        assert config["quant_algo"] == "NVFP4"
+    else:
+        assert config["config_groups"]["group_0"]["input_activations"]["dynamic"] == "local"
     # the activation scale is the largest input the layer saw on the calibration windows / (6 * 448)
     model = transformers.AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32).eval()
     tokens = transformers.AutoTokenizer.from_pretrained(str(hf))(TEXT)["input_ids"][:128]
@@ -132,3 +169,15 @@ def test_w4a4_ptq_calibrates_activation_scales_and_eval_quantizes_inputs(tmp_pat
     assert a4["w4a4"] and not a16["w4a4"]
     # quantizing the inputs too adds error in every layer
     assert all(a4["layer_error"][m] > a16["layer_error"][m] for m in a16["layer_error"])
+
+
+def test_quantize_with_a_calibration_text_writes_w4a4_through_the_cli(tmp_path, capsys):
+    hf, _ = _model_dir(tmp_path)
+    text = tmp_path / "calib.txt"
+    text.write_text(TEXT)
+    assert main(["quantize", str(hf), str(tmp_path / "nv"), "--calibration", str(text)]) == 0
+    assert "W4A4 NVFP4, activation scales calibrated" in capsys.readouterr().out
+    ckpt = read_checkpoint(tmp_path / "nv")
+    assert ckpt.w4a4 and set(ckpt.input_scales) == set(ckpt.weights)
+    assert main(["quantize", str(hf), str(tmp_path / "nv2"), "--calibration", str(tmp_path / "absent.txt")]) == 2
+    assert "no such calibration text" in capsys.readouterr().err and not (tmp_path / "nv2").exists()

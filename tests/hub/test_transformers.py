@@ -49,3 +49,14 @@ def test_a_transformers_model_quantizes_reads_back_and_still_predicts(tmp_path, 
     # a random model's logits are nearly flat, so top-1 flips easily; the logit error is the check
     # (measured 0.09 llama, 0.13 qwen3_moe: NVFP4's ~10% error per weight matrix)
     assert err < 0.25 and agree > 0.6
+
+
+def test_what_the_architecture_holds_as_no_linear_is_never_quantized(tmp_path):
+    # GPT-2's projections are Conv1D, their weights stored [in, out]: by name and shape they look
+    # quantizable (c_attn, c_fc, ...); the model built on the meta device says they are not Linears
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=128, n_positions=64, n_embd=64, n_layer=2, n_head=4)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "hf")
+    with pytest.raises(ValueError, match="no linear weight"):
+        quantize_model_dir(tmp_path / "hf", tmp_path / "nv")
+    assert not (tmp_path / "nv").exists()

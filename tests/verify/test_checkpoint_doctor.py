@@ -133,6 +133,19 @@ def test_fused_projections_with_different_global_scales_are_named(ckpt):
     assert not named(findings, "fused-global-scale", MLP)
 
 
+def test_a_fused_group_quantized_in_part_is_named(ckpt):
+    root, (codes, scales, glob, inp, _, _) = ckpt
+
+    def keep_k_in_bf16(t):
+        for leaf in (codes, scales, glob, inp):
+            t.pop(f"{ATTN}.k_proj.{leaf}")
+        t[f"{ATTN}.k_proj.weight"] = torch.zeros(64, 64, dtype=torch.bfloat16)
+    edit(root, keep_k_in_bf16)
+    findings = check_checkpoint(root)
+    assert named(findings, "fused-partly-quantized", ATTN)
+    assert not named(findings, "fused-partly-quantized", MLP)
+
+
 def test_a_quantized_router_and_lm_head_are_named(ckpt, tmp_path):
     root, layout = ckpt
     name = "modelopt" if layout[0] == "weight" else "compressed-tensors"
