@@ -162,7 +162,7 @@ def _eval(args: argparse.Namespace) -> int:
     if not args.text.is_file():
         raise FileNotFoundError(f"no such text file: {args.text}")
     report = evaluate(args.checkpoint, args.text.read_text(errors="replace"), reference=args.reference,
-                      seq_len=args.seq_len, max_windows=args.max_windows)
+                      seq_len=args.seq_len, max_windows=args.max_windows, device=args.device)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "eval.json").write_text(json.dumps(report, indent=1))
@@ -397,6 +397,7 @@ def _add_eval(sub, name: str, help: str) -> argparse.ArgumentParser:
     p.add_argument("--reference", type=Path, default=None, help="the high-precision model directory")
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--max-windows", type=int, default=None, help="score at most this many windows")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda where there is one)")
     p.add_argument("--out", type=Path, default=None, help="write eval.json and layer_error.png here")
     p.add_argument("--json", action="store_true")
     p.set_defaults(handler=_eval)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -67,8 +68,10 @@ class StoredNVFP4Linear(nn.Module):
         return y.to(x.dtype).reshape(*lead, self.out_features)
 
 
-def load_emulated(ckpt: Checkpoint, root: Path, dtype: torch.dtype = torch.float32) -> tuple[nn.Module, dict]:
-    """The checkpoint's model with its quantized Linears as StoredNVFP4Linear; -> (model, counts)."""
+def load_emulated(ckpt: Checkpoint, root: Path, dtype: torch.dtype = torch.float32,
+                  device: str | torch.device = "cpu") -> tuple[nn.Module, dict]:
+    """The checkpoint's model with its quantized Linears as StoredNVFP4Linear, on ``device``;
+    -> (model, counts)."""
     if ckpt.layout == MXFP4:
         raise ValueError("fp4lab eval runs NVFP4 checkpoints; convert an MXFP4 one first (fp4lab convert)")
     transformers = _transformers()
@@ -90,7 +93,7 @@ def load_emulated(ckpt: Checkpoint, root: Path, dtype: torch.dtype = torch.float
                                       ckpt.input_decode(m) if w4a4 else None)
             setattr(model.get_submodule(parent) if parent else model, leaf, layer)
             swapped += 1
-    return model, {"emulated_linears": swapped, "dequantized_weights": len(ckpt.weights) - swapped}
+    return model.to(device), {"emulated_linears": swapped, "dequantized_weights": len(ckpt.weights) - swapped}
 
 
 def _windows(tokens: torch.Tensor, seq_len: int, limit: int | None) -> list[torch.Tensor]:
@@ -103,10 +106,12 @@ def _windows(tokens: torch.Tensor, seq_len: int, limit: int | None) -> list[torc
 
 @torch.no_grad()
 def evaluate(checkpoint: str | Path, text: str, *, reference: str | Path | None = None, seq_len: int = 512,
-             max_windows: int | None = None) -> dict:
+             max_windows: int | None = None, device: str | None = None) -> dict:
     """Perplexity of the emulated checkpoint on ``text`` (and the reference's, top-1 agreement,
-    per-layer error with a reference); -> the report as a dict."""
+    per-layer error with a reference), on ``device`` (default: CUDA where there is one); -> the
+    report as a dict, with the wall time of each model's forward passes."""
     transformers, root = _transformers(), Path(checkpoint)
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     ckpt = read_checkpoint(root)
     tok_dir = root if any(root.glob("tokenizer*")) else Path(reference) if reference else None
     if tok_dir is None:
@@ -114,31 +119,54 @@ def evaluate(checkpoint: str | Path, text: str, *, reference: str | Path | None 
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(tok_dir))
     tokens = torch.tensor(tokenizer(text)["input_ids"], dtype=torch.long)
     windows = _windows(tokens, seq_len, max_windows)
-    model, counts = load_emulated(ckpt, root)
-    ref = transformers.AutoModelForCausalLM.from_pretrained(str(reference), dtype=torch.float32).eval() \
+    model, counts = load_emulated(ckpt, root, device=device)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(str(reference), dtype=torch.float32).eval().to(device) \
         if reference else None
     nll, ref_nll, agree, count = 0.0, 0.0, 0, 0
+    seconds = {"emulated": 0.0, "reference": 0.0}
     layer_err: dict[str, list[float]] = {}
     for i, w in enumerate(windows):
-        inputs, targets = w[None, :-1], w[None, 1:]
-        logits = model(inputs).logits.float()
+        inputs, targets = w[None, :-1].to(device), w[None, 1:].to(device)
+        logits = _timed(lambda: model(inputs).logits.float(), seconds, "emulated", device)
         nll += float(nn.functional.cross_entropy(logits[0], targets[0], reduction="sum"))
         count += targets.numel()
         if ref is not None:
             hooks = _layer_errors(ref, model, layer_err) if i == 0 else []
-            ref_logits = ref(inputs).logits.float()
+            # the first window also runs every emulated layer on the reference's inputs: not timed
+            ref_logits = ref(inputs).logits.float() if hooks else \
+                _timed(lambda: ref(inputs).logits.float(), seconds, "reference", device)
             for h in hooks:
                 h.remove()
             ref_nll += float(nn.functional.cross_entropy(ref_logits[0], targets[0], reduction="sum"))
             agree += int((logits.argmax(-1) == ref_logits.argmax(-1)).sum())
     report = {"checkpoint": str(root), "layout": ckpt.layout, "w4a4": ckpt.w4a4, "tokens": count,
-              "windows": len(windows), "seq_len": seq_len, **counts,
-              "nll": nll / count, "perplexity": math.exp(nll / count)}
+              "windows": len(windows), "seq_len": seq_len, **counts, "device": _device_name(device),
+              "nll": nll / count, "perplexity": math.exp(nll / count),
+              "emulated_s": seconds["emulated"], "emulated_tokens_per_s": count / max(seconds["emulated"], 1e-9)}
     if ref is not None:
+        timed = count - windows[0].numel() + 1  # the reference's first window is not timed
         report.update(reference=str(reference), reference_nll=ref_nll / count,
                       reference_perplexity=math.exp(ref_nll / count), top1_agreement=agree / count,
+                      reference_s=seconds["reference"],
+                      reference_tokens_per_s=timed / seconds["reference"] if seconds["reference"] else None,
                       layer_error={m: v[0] for m, v in sorted(layer_err.items())})
     return report
+
+
+def _timed(fn, seconds: dict, key: str, device: torch.device):
+    """fn() with its wall time added to seconds[key] (synchronizing a GPU before and after)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    out = fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds[key] += time.perf_counter() - start
+    return out
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
 def _layer_errors(ref: nn.Module, model: nn.Module, out: dict[str, list[float]]) -> list:
@@ -160,7 +188,9 @@ def _layer_errors(ref: nn.Module, model: nn.Module, out: dict[str, list[float]])
 def format_report(r: dict) -> str:
     lines = [f"{r['checkpoint']}: {r['layout']} {'W4A4' if r['w4a4'] else 'W4A16'}, "
              f"{r['emulated_linears']} Linears emulated, {r['dequantized_weights']} weights dequantized; "
-             f"{r['tokens']} tokens in {r['windows']} windows of {r['seq_len']}",
+             f"{r['tokens']} tokens in {r['windows']} windows of {r['seq_len']} on {r['device']}, "
+             f"{r['emulated_tokens_per_s']:,.0f} tokens/s emulated"
+             + (f" ({r['reference_tokens_per_s']:,.0f} reference)" if r.get("reference_tokens_per_s") else ""),
              "", "| model | nll | perplexity |", "|---|---|---|",
              f"| emulated FP4 | {r['nll']:.4f} | {r['perplexity']:.3f} |"]
     if "reference" in r:
