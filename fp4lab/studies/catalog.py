@@ -324,6 +324,10 @@ _CLOSERS = {  # arm -> (recipe, overrides): each against NVIDIA's full recipe, s
     "four_over_six_w1x16": ("nvfp4_four_over_six", _W1X16),
     "late_bf16_forward": (_NV, {"bf16_after": 0.8, "bf16_scope": "forward"}),
     "late_bf16_all": (_NV, {"bf16_after": 0.8, "bf16_scope": "all"}),
+    # ours: late_bf16_forward closed most of late_bf16_all's gain, but its model no longer runs in
+    # FP4; this keeps fprop FP4 (the deployed model) and gives the cooldown's small updates exact
+    # gradients, where FP4 gradient noise weighs most against weight codes that barely move
+    "late_bf16_backward": (_NV, {"bf16_after": 0.8, "bf16_scope": "backward"}),
     "keep_more": (_NV, {"keep_fraction": [4 / 62, 16 / 62]}),  # twice NVIDIA's share: d6 (0, 2), d12 (1, 3)
     "keep_none": (_NV, {"keep_first": 0, "keep_last": 0}),
     "sr_forward": (_NV, {"fprop.a.rounding": "stochastic"}),

@@ -122,6 +122,9 @@ def test_bf16_after_switches_the_chosen_gemms():
     assert not any(late.gemm(g).quantized or late.gemm(g).rotated for g in GEMMS)
     fwd = dataclasses.replace(r, bf16_scope=Bf16Scope.FORWARD).at_progress(0.9)
     assert not fwd.fprop.quantized and fwd.dgrad == r.dgrad and fwd.wgrad == r.wgrad
+    bwd = dataclasses.replace(r, bf16_scope="backward").at_progress(0.9)
+    assert bwd.fprop == r.fprop and bwd.fprop.quantized
+    assert not any(bwd.gemm(g).quantized or bwd.gemm(g).rotated for g in ("dgrad", "wgrad"))
 
 
 def test_describe_names_every_gemm():
