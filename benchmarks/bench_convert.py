@@ -10,8 +10,9 @@ spread allows), then:
 - times, in one worker process (imports and the input's page cache warmed by an untimed first
   round), --repeats rounds of (a) reading every tensor and writing them all to a new safetensors
   file with safetensors (save_file) and (b) fp4lab convert to a model directory, alternating
-  which goes first, each after os.sync() so neither pays for flushing the other's writes; the
-  doctor (which the CLI runs after convert) is timed apart on each round's output. The machine
+  which goes first, each after os.sync() so neither pays for flushing the other's writes, and
+  each output removed before the next step; the doctor (which the CLI runs after convert) is
+  timed apart on each round's output. The machine
   may be shared, so both the min (the least disturbed run) and the median are reported, with the
   ratio of each; the load average before and after says how contended the run was.
 - measures peak memory apart from the timing, each step once in a fresh process (the parent,
@@ -20,7 +21,9 @@ spread allows), then:
   the sampled peak of anonymous memory (what the step allocates), also in units of the largest
   tensor.
 - with --stages, splits one conversion into read (the input's bytes copied out of the mapped
-  file), convert (mxfp4_to_nvfp4 on tensors already in memory) and write, per MXFP4 pair.
+  file), convert (mxfp4_to_nvfp4 on tensors already in memory) and write, summed over the MXFP4
+  pairs: an estimate, as convert itself reads straight from the mapping (one copy less, which
+  measured faster than reading into reused buffers).
 
 Every process runs torch with --threads threads (OMP_NUM_THREADS too). Saves
 benchmarks/results/convert.json.
@@ -114,14 +117,17 @@ def _time_worker(src: str, repeats: int, threads: int, queue) -> None:
     """All timed runs in one process: no process start or import in the numbers."""
     _import_all(threads)
     src, tmp = Path(src), Path(src).parent
+    converted, copy = tmp / "convert-out", tmp / "copy.safetensors"
     times: dict[str, list[float]] = {s: [] for s in STEPS}
     for r in range(-1, repeats):  # round -1 warms the page cache and lazy initialisation, untimed
-        converted, copy = tmp / "convert-out", tmp / "copy.safetensors"
         seconds = {}
         for step in ("read_write", "convert") if r % 2 == 0 else ("convert", "read_write"):
             seconds[step] = _timed(step, src, converted if step == "convert" else copy)
-        seconds["doctor"] = _timed("doctor", src, converted)
-        _remove(converted), _remove(copy)
+            if step == "convert":
+                seconds["doctor"] = _timed("doctor", src, converted)
+            # every step starts with only the input in the page cache: a step that ran beside the
+            # last step's output (1 GB just written) took up to 2x longer
+            _remove(converted if step == "convert" else copy)
         if r >= 0:
             for step, s in seconds.items():
                 times[step].append(s)
@@ -147,11 +153,11 @@ def _stages_worker(src: str, dst: str, threads: int, queue) -> None:
     from fp4lab.convert.mxfp4_to_nvfp4 import mxfp4_to_nvfp4
     from fp4lab.convert.stream import mx_tensor, open_safetensors
 
-    stages, buffers = {"read": 0.0, "convert": 0.0, "write": 0.0}, {}
+    buffers = {}
     with open_safetensors(Path(src) / "model.safetensors") as f, open(dst, "wb") as out:
         bases = [k[: -len("_blocks")] for k in f.keys() if k.endswith("_blocks")]
         for _ in range(2):  # the first pass warms the page cache and lazy initialisation
-            stages = dict.fromkeys(stages, 0.0)
+            stages = {"read": 0.0, "convert": 0.0, "write": 0.0}
             out.seek(0)
             for base in bases:
                 t0 = time.perf_counter()
