@@ -5,8 +5,10 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from fp4lab.convert import mxfp4_to_nvfp4
-from fp4lab.convert.mxfp4_to_nvfp4 import M_RANGE, _hybrid, _mse, _mx_exponents
+from fp4lab.convert.mxfp4_to_nvfp4 import (M_RANGE, _e4m3_pow2, _exponents, _hybrid, _live_blocks,
+                                           _mse)
 from fp4lab.formats import FP4Tensor, block_values, dequantize, quantize_mxfp4
+from fp4lab.formats.codes import encode_e4m3
 from fp4lab.studies.conversion import SCENARIOS, scenario_input
 
 
@@ -48,7 +50,7 @@ def test_spread_18_is_where_verbatim_stops_being_exact():
     q = mx_tensor(1, 18, zero_blocks=False)
     hybrid = mxfp4_to_nvfp4(q, "hybrid")[1]
     assert not hybrid.lossless and hybrid.blocks_out_of_range >= 1 and hybrid.m == hybrid.spread - 8 + int(
-        _mx_exponents(q)[0].min())
+        _exponents(q).min())
     mid = mxfp4_to_nvfp4(q, "verbatim-mid")[1]
     assert mid.blocks_out_of_range >= 1 and mid.chosen == "verbatim-mid"
 
@@ -56,7 +58,7 @@ def test_spread_18_is_where_verbatim_stops_being_exact():
 @pytest.mark.parametrize("name", [n for n in SCENARIOS if n != "large_flat"])
 def test_closed_form_m_is_the_search_optimum_and_best_beats_requant(name):
     q = quantize_mxfp4(scenario_input(name), mode="rceil", pad=True)
-    k, live = _mx_exponents(q)
+    k, live = _exponents(q), _live_blocks(q)
     k_max, k_min = int(k[live].max()), int(k[live].min())
     reference, count = block_values(q).double(), q.shape.numel()
     closed = _mse(_hybrid(q, k, live, k_max - 8)[0], reference, count)
@@ -77,3 +79,22 @@ def test_bad_input():
         mxfp4_to_nvfp4(quantize_nvfp4(torch.randn(2, 32)))
     with pytest.raises(ValueError, match="'requant'"):
         mxfp4_to_nvfp4(q, "magic")
+
+
+def test_byte_helpers_match_their_plain_definitions():
+    """The uint8 fast paths: E4M3 powers of two for every UE8M0 byte and m, and the 8-byte live test
+    (sign-only -0 codes are zero) against the byte-wise one."""
+    scales = torch.arange(0, 255, dtype=torch.uint8)
+    for m in range(-127 - 8, 127 - 8 + 1):  # every closed-form m = k_max - 8, which covers M_RANGE
+        e = (scales.to(torch.int64) - 127 - m).clamp(-9, 8)
+        expected = encode_e4m3(torch.ldexp(torch.ones(e.shape), e.to(torch.int32))).view(torch.uint8)
+        assert torch.equal(_e4m3_pow2(scales, m), expected), m
+    q = mx_tensor(0, 5, rows=8, blocks=6, zero_blocks=False)
+    blocks = q.codes.view(8, 6, 16)
+    blocks[1, 2], blocks[3, 4], blocks[5, 0] = 0x88, 0x08, 0  # -0 everywhere, one -0, all zero
+    blocks[6, 1] = 0
+    blocks[6, 1, 15] = 0x10  # a single nonzero code in the block's last byte
+    expected = ((blocks & 0x77) != 0).any(-1)
+    assert torch.equal(_live_blocks(q), expected) and expected.sum() == 8 * 6 - 3
+    strided = FP4Tensor(**{**q.__dict__, "codes": q.codes.t().contiguous().t()})  # the byte-wise path
+    assert torch.equal(_live_blocks(strided), expected)
