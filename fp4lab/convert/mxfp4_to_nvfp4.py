@@ -180,7 +180,8 @@ def mxfp4_to_nvfp4(q_mx: FP4Tensor, method: str | ConvertMethod = ConvertMethod.
 
     candidates: list[tuple[str, FP4Tensor, int | None, int]] = []  # earlier wins ties
     if method in (ConvertMethod.HYBRID, ConvertMethod.BEST):
-        ms = [k_max - 8] if method is ConvertMethod.HYBRID else sorted(window, key=lambda m: m != k_max - 8)
+        closed = min(max(k_max - 8, M_RANGE[0]), M_RANGE[1])  # near the exponent limits: the nearest m that works
+        ms = [closed] if method is ConvertMethod.HYBRID else sorted(window, key=lambda m: m != closed)
         for m in ms:  # the closed form first
             nv, out = _hybrid(q, k, live, m)
             candidates.append(("hybrid", nv, m, out))

@@ -55,6 +55,18 @@ def test_spread_18_is_where_verbatim_stops_being_exact():
     assert mid.blocks_out_of_range >= 1 and mid.chosen == "verbatim-mid"
 
 
+def test_hybrid_near_the_top_exponent_keeps_its_tensor_scale_in_range():
+    # k_max 125 with a spread of 18: the closed form m = k_max - 8 = 117 would make the requant
+    # amax 2688 * 2^m overflow fp32; hybrid takes the largest m that works and requantizes the rest
+    q = mx_tensor(3, 18, zero_blocks=False)
+    k = q.scales.to(torch.int64) - 127
+    q = FP4Tensor(codes=q.codes, scales=(k - int(k.max()) + 125 + 127).to(torch.uint8), tensor_scale=None,
+                  shape=q.shape, axis=1, block=(1, 32), format="mxfp4", rounding="rtne", mx_mode="rceil")
+    nv, report = mxfp4_to_nvfp4(q, "hybrid")
+    assert report.m == M_RANGE[1] and report.blocks_out_of_range >= 1 and torch.isfinite(dequantize(nv)).all()
+    assert report.rel_mse < 0.05
+
+
 @pytest.mark.parametrize("name", [n for n in SCENARIOS if n != "large_flat"])
 def test_closed_form_m_is_the_search_optimum_and_best_beats_requant(name):
     q = quantize_mxfp4(scenario_input(name), mode="rceil", pad=True)
