@@ -29,23 +29,32 @@ from fp4lab.nn.recipe import preset  # noqa: E402
 ARMS = ("bf16", "nvfp4", "nvfp4_plain", "mxfp4")
 
 
-def step_times(recipe_name: str, mode: str, args) -> list[float]:
+def make_step(recipe_name: str, mode: str, args):
+    """-> step(i): one training step (forward, backward, AdamW) of ``args.model`` under the recipe."""
     torch.manual_seed(0)
     model = GPT(model_config(args.model, seq_len=args.seq)).cuda()
     context = quantize_model(model, preset(recipe_name))
     runner = torch.compile(model) if mode == "compiled" else model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     idx = torch.randint(0, model.cfg.vocab_size, (args.batch, args.seq + 1), device="cuda")
-    times = []
-    for step in range(args.warmup + args.steps):
-        context.tick = step
-        torch.cuda.synchronize()
-        start = time.perf_counter()
+
+    def step(i: int) -> None:
+        context.tick = i
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = runner(idx[:, :-1], idx[:, 1:])
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+    return step
+
+
+def step_times(recipe_name: str, mode: str, args) -> list[float]:
+    step = make_step(recipe_name, mode, args)
+    times = []
+    for i in range(args.warmup + args.steps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        step(i)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return times[args.warmup:]
