@@ -172,6 +172,8 @@ def gemms_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         a = [calls[g].operand(xg, 1, "fprop", "a") for g, xg in zip(live, xs)]
         y = _multiply(a, 1, w_fprop, 1, grouped, (x.shape[0], weight.shape[1]), x)
         y = y if bias is None else y + bias
+    elif grouped and _bf16_grouped(x, weight, calls):
+        y = torch._grouped_mm(x, weight.transpose(-2, -1), offs=_offsets(sizes, x.device))
     elif grouped:
         y = torch.cat([F.linear(xg, w) for xg, w in zip(xs, w_src)]) if live else x.new_zeros(
             x.shape[0], weight.shape[1])
@@ -205,10 +207,18 @@ def gemms_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, size
                      else [calls[g].operand(w, 0, "dgrad", "b") for g, w in zip(live, w_src)])
             a = [calls[g].operand(dyg, 1, "dgrad", "a") for g, dyg in zip(live, dys)]
             dx = _multiply(a, 1, w_ops, 0, grouped, tuple(x.shape), dy)
+        elif grouped and _bf16_grouped(dy, weight, calls):
+            dx = torch._grouped_mm(dy, weight, offs=_offsets(sizes, dy.device))
         else:
             dx = torch.cat([dyg.mm(weight[g]) for g, dyg in zip(live, dys)]) if live else torch.zeros_like(x)
     # ---- wgrad: dW = dy^T @ x, contraction over the group's tokens
-    if need_dw:
+    if need_dw and grouped and not (wgrad.quantized or wgrad.rotated) and _bf16_grouped(dy, weight, calls):
+        # one launch for every expert, its contraction split at the groups' row offsets
+        dw = torch._grouped_mm(dy.t(), x, offs=_offsets(sizes, dy.device))
+        for g, rows in enumerate(sizes):
+            if not rows:  # an expert without rows gets an exact zero gradient, whatever the kernel leaves
+                dw[g].zero_()
+    elif need_dw:
         dw = torch.zeros_like(weight) if grouped else None
         for g, dyg, xg in zip(live, dys, xs):
             if wgrad.quantized or wgrad.rotated:
@@ -222,6 +232,22 @@ def gemms_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, size
             else:
                 dw = dw_g[None]
     return dx, dw
+
+
+def _bf16_grouped(a: torch.Tensor, weight: torch.Tensor, calls: list[Call]) -> bool:
+    """A grouped GEMM left in BF16 runs as one torch._grouped_mm (the MoE baseline as users run it)
+    where that kernel runs: CUDA sm_90+, BF16 operands whose rows are 16-byte aligned, and the fast
+    backend; the reference backend keeps the per-expert loop, bit for bit what a loop of dense
+    layers computes. The undithered weight only (a dithered one is per-expert work anyway)."""
+    return (a.is_cuda and a.dtype == weight.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+            and not calls[0].recipe.fprop.b.dither and a.shape[-1] % 8 == 0 and weight.shape[-1] % 8 == 0
+            and weight.shape[-2] % 8 == 0 and torch.cuda.get_device_capability(a.device) >= (9, 0)
+            and kernels.uses_triton(a))
+
+
+def _offsets(sizes: list[int], device: torch.device) -> torch.Tensor:
+    """Groups' end rows, as torch._grouped_mm takes them (int32 cumulative counts)."""
+    return torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(device=device, dtype=torch.int32)
 
 
 def _live(sizes: list[int], grouped: bool) -> list[int]:

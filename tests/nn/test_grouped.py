@@ -43,7 +43,7 @@ def _run(recipe, grouped: bool, backend: str, monkeypatch):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("name", ["nvfp4", "mxfp4", "fprop"])
+@pytest.mark.parametrize("name", ["nvfp4", "mxfp4", "fprop", "bf16"])
 def test_grouped_experts_equal_the_per_expert_loop(name, backend, monkeypatch):
     recipe = preset(name).override({"keep_first": 0, "keep_last": 0}) if name == "nvfp4" else preset(name)
     grouped = _run(recipe, True, backend, monkeypatch)
