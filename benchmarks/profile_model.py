@@ -36,8 +36,10 @@ def profile_run(arm: str, mode: str, args) -> str:
         torch.cuda.synchronize()
     wall = (time.perf_counter() - start) / args.steps * 1e3
     events = prof.key_averages()
-    gpu_us = sum(e.self_device_time_total for e in events) / args.steps
-    launches = sum(e.count for e in events if e.device_type == torch.autograd.DeviceType.CUDA) / args.steps
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    # kernels only: an operator's own device time repeats its kernels' (the 2026-11-25 files counted both)
+    gpu_us = sum(e.self_device_time_total for e in kernels) / args.steps
+    launches = sum(e.count for e in kernels) / args.steps
     head = (f"== {args.model} {arm} {mode}: wall {wall:.1f} ms/step (profiled), GPU busy {gpu_us / 1e3:.1f} ms/step, "
             f"{launches:.0f} kernels/step")
     by_gpu = events.table(sort_by="self_device_time_total", row_limit=args.rows, max_name_column_width=60)
