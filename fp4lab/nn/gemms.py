@@ -35,6 +35,7 @@ Public: ``QuantContext``, ``Call``, ``make_call``, ``call_at``, ``layer_key``, `
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 from dataclasses import dataclass, field
 
@@ -45,7 +46,7 @@ from .. import kernels
 from ..formats import Rounding
 from ..kernels import BlockValues
 from .quant import derive_seed, dither, gemm_dtype, quantize_operand, rotation_for, run_gemm
-from .recipe import GEMMS, Recipe
+from .recipe import BF16_GEMM, GEMMS, Recipe
 
 WGRAD_ROW_MULTIPLE = 32  # lcm of the block sizes (16, 32) and Hadamard sizes (16, 32)
 
@@ -62,6 +63,10 @@ class QuantContext:
     """Record quant_stats of every quantized operand into ``stats`` (costs a sync per operand)."""
     stats: dict[str, dict[str, float]] = field(default_factory=dict)
     """'<layer>.<gemm>.<a|b>' -> formats.quant_stats of that operand, from the last call."""
+    forward_bf16: bool = False
+    """Run fprop in BF16 whatever the recipe says (eager calls): the trainer's last evaluation of
+    an FP4 run scores its weights served in BF16 too, which separates what FP4 did to the weights
+    from what an FP4 forward costs at inference."""
     rank: int = 0
     """Data-parallel rank. Ranks > 0 fold it into every seed: with one stream on all ranks, the
     stochastic-rounding noise of their gradient shards would be correlated, and DDP's average
@@ -120,9 +125,13 @@ def layer_key(name: str) -> int:
 
 
 def make_call(recipe: Recipe, name: str, context: QuantContext) -> Call:
-    """The Call of layer ``name`` at the context's tick (the recipe in force at its progress)."""
-    return call_at(recipe, layer_key(name), context.tick, context.progress, context.rank, name=name,
+    """The Call of layer ``name`` at the context's tick (the recipe in force at its progress;
+    fprop in BF16 under ``context.forward_bf16``)."""
+    call = call_at(recipe, layer_key(name), context.tick, context.progress, context.rank, name=name,
                    stats=context.stats if context.collect else None)
+    if context.forward_bf16:
+        call = dataclasses.replace(call, recipe=dataclasses.replace(call.recipe, fprop=BF16_GEMM))
+    return call
 
 
 def call_at(recipe: Recipe, layer: int, tick: int, progress: float, rank: int, *, name: str = "",

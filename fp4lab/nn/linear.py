@@ -12,7 +12,7 @@ in the compute dtype (bf16 under autocast, as nn.Linear); weight and bias gradie
 the parameters' dtype through autograd's casts.
 
 Public: ``QuantContext``, ``FP4Linear``, ``fp4_linear``, ``grouped_fp4_linear``, ``fprop_weight``,
-``layer_key``, ``compute_dtype``.
+``layer_key``, ``layer_keys``, ``expert_names``, ``compute_dtype``, ``traced_path``.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from .gemms import QuantContext, compute_dtype, fp4_gemms, layer_key, make_call
 from .ops import fp4_gemms_op, register_recipe
 from .recipe import Recipe
 
-__all__ = ["QuantContext", "FP4Linear", "fp4_linear", "grouped_fp4_linear", "fprop_weight", "layer_key",
-           "compute_dtype"]
+__all__ = ["QuantContext", "FP4Linear", "fp4_linear", "grouped_fp4_linear", "fprop_weight", "layer_key", "layer_keys",
+           "expert_names", "compute_dtype", "traced_path"]
 
 
 def fprop_weight(weight: torch.Tensor, recipe: Recipe, *, name: str,
@@ -41,8 +41,10 @@ def fprop_weight(weight: torch.Tensor, recipe: Recipe, *, name: str,
 
 
 def fp4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: Recipe, *,
-               name: str = "linear", context: QuantContext | None = None) -> torch.Tensor:
-    """x: [..., K], weight: [N, K], bias: [N] | None -> [..., N], the three GEMMs per ``recipe``."""
+               name: str = "linear", context: QuantContext | None = None,
+               keys: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [..., K], weight: [N, K], bias: [N] | None -> [..., N], the three GEMMs per ``recipe``.
+    ``keys``: layer_keys(name) made once (a module's), so a compiled graph reads no name (below)."""
     if x.shape[-1] != weight.shape[-1]:
         raise ValueError(f"x of shape {tuple(x.shape)} does not match weight {tuple(weight.shape)}")
     context = context or QuantContext()
@@ -50,33 +52,49 @@ def fp4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     x2d = x.reshape(-1, x.shape[-1]).to(dtype)
     w, b = weight.to(dtype)[None], None if bias is None else bias.to(dtype)
     with torch.autocast(x.device.type, enabled=False):
-        if _traced(context):
-            y = fp4_gemms_op(x2d, w, b, [x2d.shape[0]], [layer_key(name)], recipe, context, grouped=False)
+        if traced_path(context):
+            layers = keys if keys is not None else [layer_key(name)]
+            y = fp4_gemms_op(x2d, w, b, [x2d.shape[0]], layers, recipe, context, grouped=False)
         else:
             y = fp4_gemms(x2d, w, b, [x2d.shape[0]], [make_call(recipe, name, context)], grouped=False)
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
+def expert_names(name: str, n_experts: int, label: str = "") -> list[str]:
+    """The layer names of an MoE projection's experts: f"{name}.{e}.{label}" (f"{name}.{e}" unlabelled)."""
+    return [f"{name}.{e}.{label}" if label else f"{name}.{e}" for e in range(n_experts)]
+
+
+def layer_keys(names: list[str]) -> torch.Tensor:
+    """The layers' integer keys as a (CPU, int64) tensor: what a module hands the compiled op. A
+    tensor, not Python ints: dynamo guards a tensor's metadata but a constant's value, so blocks
+    whose forward it compiles as one frame (an MoE block breaks its graph at routing) share one
+    compilation instead of recompiling per layer name."""
+    return torch.tensor([layer_key(n) for n in names], dtype=torch.int64)
+
+
 def grouped_fp4_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int], recipe: Recipe, *,
-                       name: str, context: QuantContext, label: str = "") -> torch.Tensor:
+                       name: str, context: QuantContext, label: str = "",
+                       keys: torch.Tensor | None = None) -> torch.Tensor:
     """x: [S, K] rows sorted by expert (counts[e] each), weight: [E, N, K] -> [S, N]: expert e's
-    rows times weight[e]^T under ``recipe``, as fp4_linear(x_e, weight[e], name=f"{name}.{e}.{label}")."""
+    rows times weight[e]^T under ``recipe``, as fp4_linear(x_e, weight[e], name=f"{name}.{e}.{label}").
+    ``keys``: layer_keys of those names, made once (see fp4_linear)."""
     if x.shape[-1] != weight.shape[-1] or len(counts) != weight.shape[0] or sum(counts) != x.shape[0]:
         raise ValueError(f"x {tuple(x.shape)} with counts {list(counts)} does not match weight {tuple(weight.shape)}")
     dtype = compute_dtype(x)
-    names = [f"{name}.{e}.{label}" if label else f"{name}.{e}" for e in range(weight.shape[0])]
     with torch.autocast(x.device.type, enabled=False):
-        if _traced(context):
-            return fp4_gemms_op(x.to(dtype), weight.to(dtype), None, counts, [layer_key(n) for n in names], recipe,
-                                context, grouped=True)
+        if traced_path(context):
+            layers = keys if keys is not None else [layer_key(n) for n in expert_names(name, weight.shape[0], label)]
+            return fp4_gemms_op(x.to(dtype), weight.to(dtype), None, counts, layers, recipe, context, grouped=True)
+        names = expert_names(name, weight.shape[0], label)
         return fp4_gemms(x.to(dtype), weight.to(dtype), None, counts, [make_call(recipe, n, context) for n in names],
                          grouped=True)
 
 
-def _traced(context: QuantContext) -> bool:
+def traced_path(context: QuantContext) -> bool:
     """Under torch.compile the GEMMs go through the custom ops of nn.ops (operand statistics, a
-    Python side effect, stay eager)."""
-    return torch.compiler.is_compiling() and not context.collect
+    Python side effect, and the BF16-forward evaluation stay eager)."""
+    return torch.compiler.is_compiling() and not context.collect and not context.forward_bf16
 
 
 class FP4Linear(nn.Linear):
@@ -85,7 +103,7 @@ class FP4Linear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, recipe: Recipe,
                  name: str = "linear", context: QuantContext | None = None, device=None, dtype=None):
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
-        self.recipe, self.name = recipe, name
+        self.recipe, self.name, self.keys = recipe, name, layer_keys([name])
         self.context = context or QuantContext()
         register_recipe(recipe)  # outside any trace (nn.ops.recipe_index)
 
@@ -97,12 +115,14 @@ class FP4Linear(nn.Linear):
         nn.Module.__init__(layer)
         layer.in_features, layer.out_features = linear.in_features, linear.out_features
         layer.weight, layer.bias = linear.weight, linear.bias
-        layer.recipe, layer.name, layer.context = recipe, name, context
+        layer.recipe, layer.name, layer.context, layer.keys = recipe, name, context, layer_keys([name])
         register_recipe(recipe)
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp4_linear(x, self.weight, self.bias, self.recipe, name=self.name, context=self.context)
+        # traced, the op takes self.keys and the name is never read (a read name is a guard)
+        name = "" if traced_path(self.context) else self.name
+        return fp4_linear(x, self.weight, self.bias, self.recipe, name=name, context=self.context, keys=self.keys)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe.name}"

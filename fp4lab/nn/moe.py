@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..formats.types import Choice
-from .linear import QuantContext, compute_dtype, grouped_fp4_linear
+from .linear import QuantContext, compute_dtype, expert_names, grouped_fp4_linear, layer_keys, traced_path
 from .ops import register_recipe
 from .recipe import Recipe
 
@@ -87,6 +87,8 @@ class GroupedExperts(nn.Module):
     def use_recipe(self, recipe: Recipe, name: str, context: QuantContext) -> None:
         """Run the expert GEMMs under ``recipe`` (called by nn.swap.quantize_model)."""
         self.recipe, self.name, self.context = recipe, name, context
+        n_experts = self.w_gate.shape[0]
+        self.keys = {label: layer_keys(expert_names(name, n_experts, label)) for label in ("gate", "up", "down")}
         register_recipe(recipe)  # outside any trace (nn.ops.recipe_index)
 
     grouped_mm = True
@@ -102,10 +104,12 @@ class GroupedExperts(nn.Module):
             return mm(F.silu(mm(x_sorted_SD, self.w_gate)) * mm(x_sorted_SD, self.w_up), self.w_down)
         counts = counts_E.tolist()
         if self.recipe is not None:
+            name = "" if traced_path(self.context) else self.name  # traced: keys, no name guard
+
             def project(x: torch.Tensor, w: torch.Tensor, label: str) -> torch.Tensor:
                 # expert e is the layer f"{self.name}.{e}.{label}" (its seeds and tensor scales)
-                return grouped_fp4_linear(x, w, counts, self.recipe, name=self.name, context=self.context,
-                                          label=label)
+                return grouped_fp4_linear(x, w, counts, self.recipe, name=name, context=self.context,
+                                          label=label, keys=self.keys[label])
             h_SF = F.silu(project(x_sorted_SD, self.w_gate, "gate")) * project(x_sorted_SD, self.w_up, "up")
             return project(h_SF, self.w_down, "down")
         outs = []

@@ -8,7 +8,9 @@ two opaque ops whose arguments are all graph-friendly:
     fp4lab::gemms           (x, weight, bias, sizes, layers, recipe, clock, rank, grouped) -> y
     fp4lab::gemms_backward  (dy, x, weight, ...same..., need_dx, need_dw) -> (dx, dw)
 
-``layers`` are the layers' integer keys (gemms.layer_key, folded to constants when compiling),
+``layers`` are the layers' integer keys (gemms.layer_key) in a CPU int64 tensor (a module's
+``keys``, made once: dynamo guards a tensor's metadata, where a Python constant would be a guard on
+its value, one compilation per layer name wherever a graph break splits the model into frames),
 ``recipe`` a recipe's index in a registry of this process, ``clock`` the QuantContext's
 [tick, progress] tensor: the step changes a tensor's value, not a Python number dynamo would
 guard on, so the compiled graph serves every step without recompiling. Each op rebuilds the Calls
@@ -63,13 +65,13 @@ def recipe_index(recipe: Recipe) -> int:
     return _register_traced(recipe)
 
 
-def _calls(layers: list[int], recipe: int, clock: torch.Tensor, rank: int):
+def _calls(layers: torch.Tensor, recipe: int, clock: torch.Tensor, rank: int):
     tick, progress = clock.tolist()
-    return [call_at(_RECIPES[recipe], layer, int(tick), progress, rank) for layer in layers]
+    return [call_at(_RECIPES[recipe], layer, int(tick), progress, rank) for layer in layers.tolist()]
 
 
 @torch.library.custom_op("fp4lab::gemms", mutates_args=())
-def _gemms(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int], layers: list[int],
+def _gemms(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int], layers: torch.Tensor,
            recipe: int, clock: torch.Tensor, rank: int, grouped: bool) -> torch.Tensor:
     y, _ = gemms_forward(x, weight, bias, sizes, _calls(layers, recipe, clock, rank), grouped)
     return y
@@ -81,7 +83,7 @@ def _(x, weight, bias, sizes, layers, recipe, clock, rank, grouped):
 
 
 @torch.library.custom_op("fp4lab::gemms_backward", mutates_args=())
-def _gemms_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, sizes: list[int], layers: list[int],
+def _gemms_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, sizes: list[int], layers: torch.Tensor,
                     recipe: int, clock: torch.Tensor, rank: int, grouped: bool, need_dx: bool,
                     need_dw: bool) -> tuple[torch.Tensor, torch.Tensor]:
     dx, dw = gemms_backward(dy, x, weight, sizes, _calls(layers, recipe, clock, rank), grouped,
@@ -98,14 +100,14 @@ def _(dy, x, weight, sizes, layers, recipe, clock, rank, grouped, need_dx, need_
 
 def _setup_context(ctx, inputs, output) -> None:
     x, weight, bias, sizes, layers, recipe, clock, rank, grouped = inputs
-    ctx.save_for_backward(x, weight, clock.clone())  # the trainer may move the clock before backward
-    ctx.args = (sizes, layers, recipe, rank, grouped)
+    ctx.save_for_backward(x, weight, clock.clone(), layers)  # the trainer may move the clock before backward
+    ctx.args = (sizes, recipe, rank, grouped)
     ctx.has_bias = bias is not None
 
 
 def _backward(ctx, dy: torch.Tensor):
-    x, weight, clock = ctx.saved_tensors
-    sizes, layers, recipe, rank, grouped = ctx.args
+    x, weight, clock, layers = ctx.saved_tensors
+    sizes, recipe, rank, grouped = ctx.args
     need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     dx, dw = torch.ops.fp4lab.gemms_backward(dy, x, weight, sizes, layers, recipe, clock, rank, grouped,
                                              need_dx, need_dw)
@@ -117,7 +119,10 @@ _gemms.register_autograd(_backward, setup_context=_setup_context)
 
 
 def fp4_gemms_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int],
-                 layers: list[int], recipe: Recipe, context: QuantContext, *, grouped: bool) -> torch.Tensor:
-    """gemms.fp4_gemms through the custom ops: the layers given by key, at the context's clock."""
-    return _gemms(x, weight, bias, list(sizes), list(layers), recipe_index(recipe), context.clock,
-                  context.rank, grouped)
+                 layers: torch.Tensor | list[int], recipe: Recipe, context: QuantContext, *,
+                 grouped: bool) -> torch.Tensor:
+    """gemms.fp4_gemms through the custom ops: the layers given by key (a CPU int64 tensor, or
+    ints folded into one), at the context's clock."""
+    if not isinstance(layers, torch.Tensor):
+        layers = torch.tensor(list(layers), dtype=torch.int64)
+    return _gemms(x, weight, bias, list(sizes), layers, recipe_index(recipe), context.clock, context.rank, grouped)

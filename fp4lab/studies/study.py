@@ -42,7 +42,7 @@ from ..train.config import config_identity
 from ..train.loop import TrainConfig, train
 from ..train.receipt import Receipt
 from ..train.report import (arm_table, final_loss, gap_table, load_receipts, paired_gap, plots, provenance,
-                            resolution_lines, runs_by_arm)
+                            resolution_lines, runs_by_arm, served_lines)
 from ..train.stats import Interval, interval
 
 SIZES = ("dense", "deep", "moe")
@@ -339,6 +339,7 @@ def write_report(study: Study, out: Path) -> tuple[str, list[Path]]:
             iv = paired_gap(runs[arm], runs[base]) if arm in runs and base in runs else None
             lines.append(f"| {arm} - {base} | {iv.text() if iv is not None else 'not run'} |")
     lines += resolution_lines({k: paired_gap(runs[a], runs[b]) for k, (a, b) in _pairs(study, baselines, runs)})
+    lines += served_lines(runs, baselines)
     receipts = [r for seeds in runs.values() for r in seeds.values()]
     lines += ["", "Every run:", "", gap_table(receipts, baselines), ""]
     text = "\n".join(lines)

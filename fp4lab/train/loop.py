@@ -84,6 +84,9 @@ class RunState:
     """Tokens of the steps timed for tokens/s (the first two of a session compile kernels)."""
     timed_s: float = 0.0
     """Seconds of those steps."""
+    bf16_forward_val: float | None = None
+    """The last evaluation of an FP4 run's weights with every fprop in BF16 (None: not an FP4
+    forward, or not evaluated yet)."""
 
     def wall_s(self) -> float:
         return self.wall_before + time.perf_counter() - self.started
@@ -278,13 +281,16 @@ def _step(run: Run, state: RunState, step: int, stiction, metrics) -> tuple[floa
 
 # ---- evaluation and checkpoints --------------------------------------------------------------
 
-def _evaluate(run: Run, *, full: bool) -> float:
-    """Mean validation loss per token: over ``eval_batches`` batches, or the whole split (full)."""
-    cfg, device, model = run.cfg, run.device, run.runner
+def _evaluate(run: Run, *, full: bool, bf16_forward: bool = False) -> float:
+    """Mean validation loss per token: over ``eval_batches`` batches, or the whole split (full).
+    ``bf16_forward``: the same weights with every fprop in BF16 (the eager model: the compiled
+    ops follow the recipe alone)."""
+    cfg, device, model = run.cfg, run.device, (run.model if bf16_forward else run.runner)
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=device)
     which = (None if full else cfg.eval_batches, cfg.batch_size // cfg.grad_accum)
     batches = 0
+    run.context.forward_bf16 = bf16_forward
     with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=run.autocast):
         for x, y in run.stream.val_batches(*which):
             n = float(y.numel())
@@ -294,10 +300,17 @@ def _evaluate(run: Run, *, full: bool) -> float:
         if is_sharded(run.model):  # each forward all-gathers: a rank with an empty last share runs an idle one
             for _ in range(run.stream.val_batch_count(*which) - batches):
                 model(torch.zeros(1, cfg.seq_len, dtype=torch.long, device=device))
+    run.context.forward_bf16 = False
     if dist.is_initialized():
         dist.all_reduce(total)
     model.train()
     return float(total[0] / total[1]) if total[1] else float("nan")
+
+
+def _serves_fp4(run: Run) -> bool:
+    """Whether the trained model's forward runs any FP4 GEMM (the recipe at the end of training)."""
+    final = run.recipe.at_progress(1.0)
+    return bool(coverage(run.model)["linears"]["fp4"]) and (final.fprop.quantized or final.fprop.rotated)
 
 
 def _evaluate_if_due(run: Run, state: RunState, metrics) -> None:
@@ -307,6 +320,9 @@ def _evaluate_if_due(run: Run, state: RunState, metrics) -> None:
         val = _evaluate(run, full=last)
         state.evals.append(Eval(step=state.step, tokens=state.step * run.tokens_per_step, val_loss=val))
         _log(metrics, {"step": state.step, "val_loss": val})
+        if last and _serves_fp4(run):  # the same weights served in BF16: the gap's inference share
+            state.bf16_forward_val = _evaluate(run, full=True, bf16_forward=True)
+            _log(metrics, {"step": state.step, "val_loss_bf16_forward": state.bf16_forward_val})
 
 
 def _checkpoint_if_due(run: Run, state: RunState, end: int) -> None:
@@ -334,7 +350,8 @@ def _receipt(run: Run, state: RunState) -> Receipt:
         versions=env["versions"], backend=kernels_backend(run.device), evals=tuple(state.evals),
         train_curve=tuple(map(tuple, state.train_curve[:: max(1, len(state.train_curve) // 500)])),
         final=Final(val_loss=vals[-1] if vals else None, min_val_loss=min(vals) if vals else None,
-                    train_loss=state.train_curve[-1][1] if state.train_curve else None, steps=state.step),
+                    train_loss=state.train_curve[-1][1] if state.train_curve else None, steps=state.step,
+                    bf16_forward_val_loss=state.bf16_forward_val),
         wall_s=state.wall_s(), tokens_per_s=tokens_per_s,
         mfu=tokens_per_s * run.flops_per_token / run.peak if tokens_per_s and run.peak else None,
         flip_rate=tuple(map(tuple, state.flips)))

@@ -4,7 +4,7 @@ about the machine and the code (``environment``, ``peak_flops``, ``kernels_backe
 A receipt is what ran and what came out of one training run (train.loop writes it; report,
 studies, generate and the CLI read it). On disk it is JSON, one object:
 
-    schema        2 (RECEIPT_SCHEMA)
+    schema        3 (RECEIPT_SCHEMA)
     name, status, message        the run directory's name; "ok" / "stopped" / "diverged"; why
     config, recipe, recipe_text, model     TrainConfig, Recipe and ModelConfig as dicts
     params, active_params        parameter counts (all; those a token meets)
@@ -16,14 +16,16 @@ studies, generate and the CLI read it). On disk it is JSON, one object:
                   "reference" (they sum in different orders); "unknown" where it was not recorded
     evals         ``Eval`` per evaluation (step, tokens, val_loss)
     train_curve   [step, train loss] pairs (at most about 500)
-    final         ``Final``: last and best val loss, last train loss, steps done
+    final         ``Final``: last and best val loss, last train loss, steps done, and for a run
+                  whose forward runs FP4 the last val loss of its weights with a BF16 forward
     wall_s, tokens_per_s, mfu    wall seconds over all sessions; throughput past the first steps
     flip_rate     [step, fraction of FP4 weight codes one optimizer step flipped]
 
 Reading (``Receipt.from_dict``, ``Receipt.load``) validates: a missing key or a value of the
 wrong type is a ValueError naming the file and the key. Older schemas are upgraded on read:
 schema 1 (no ``backend``: read as "unknown"; its early receipts also lack ``coverage``, read as
-None, and ``data.eot_id`` / ``split`` / ``epochs``, read as None). A newer schema is refused.
+None, and ``data.eot_id`` / ``split`` / ``epochs``, read as None); schema 2 (no
+``final.bf16_forward_val_loss``: read as None). A newer schema is refused.
 Unknown top-level keys (a newer writer's, or notes added by hand) are kept in ``extra`` and
 written back by ``to_dict``; unknown keys inside final, evals, data and git are ignored.
 ``receipt[key]`` reads the JSON form, for scripts written against the dict receipts.
@@ -55,7 +57,7 @@ from typing import Any, ClassVar
 
 import torch
 
-RECEIPT_SCHEMA = 2
+RECEIPT_SCHEMA = 3
 STATUSES = ("ok", "stopped", "diverged")
 
 
@@ -79,6 +81,10 @@ class Final:
     """The last step's training loss."""
     steps: int
     """Optimizer steps done (less than config steps when stopped or diverged)."""
+    bf16_forward_val_loss: float | None
+    """The last evaluation again, the same weights with every fprop in BF16: what an FP4-trained
+    model loses to its FP4 forward at inference (val_loss - this) against what training in FP4
+    did to its weights (this - BF16's val_loss). None where the forward runs no FP4 GEMM."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -232,7 +238,14 @@ def _upgrade_1(data: dict) -> dict:
     return data
 
 
-_UPGRADES = {1: _upgrade_1}
+def _upgrade_2(data: dict) -> dict:
+    """Schema 2 -> 3: the BF16-forward evaluation of the final weights was not made."""
+    if isinstance(data.get("final"), dict):
+        data = {**data, "final": {"bf16_forward_val_loss": None, **data["final"]}}
+    return data
+
+
+_UPGRADES = {1: _upgrade_1, 2: _upgrade_2}
 """{schema: the function that lifts a receipt of that schema to the next}."""
 
 

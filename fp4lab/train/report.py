@@ -12,10 +12,12 @@ run whose seed has no baseline run says so instead of borrowing another seed's.
                 arms), then every run (its own seed's gap, tokens/s against that baseline)
     loss.png    validation-loss curves (train loss faint) against tokens, every run
     gap.png     the mean paired gap to the baseline against tokens, per arm, with its 95% band
-``final_loss``, ``runs_by_arm`` and ``paired_gap`` are shared with the study reports.
+``final_loss``, ``runs_by_arm``, ``paired_gap`` and ``served_lines`` (an FP4 arm's gap split
+into its forward's and its weights' shares, where receipts hold a BF16-forward evaluation) are
+shared with the study reports.
 
 Public: ``load_receipts``, ``arm_name``, ``runs_by_arm``, ``final_loss``, ``paired_gap``,
-``baseline_arm``, ``gap_table``, ``arm_table``, ``plots``, ``report``.
+``baseline_arm``, ``gap_table``, ``arm_table``, ``served_lines``, ``plots``, ``report``.
 """
 
 from __future__ import annotations
@@ -94,6 +96,37 @@ def paired_gap(arm: dict[int, Receipt], base: dict[int, Receipt], *, value=final
         return None
     return interval({s: a - b for s, (a, b) in pairs.items()},
                     base_mean=statistics.fmean(b for _, b in pairs.values()))
+
+
+def served_lines(runs: dict[str, dict[int, Receipt]], baselines: dict[str, str | None]) -> list[str]:
+    """FP4 arms whose final weights were also evaluated with a BF16 forward: their gap to the
+    baseline split into what the FP4 forward costs at inference (FP4 forward - BF16 forward, same
+    weights) and what FP4 training did to the weights (BF16 forward - the baseline). [] if none."""
+    def served(r: Receipt) -> float | None:
+        return r.final.bf16_forward_val_loss
+
+    rows = []
+    for arm, seeds in runs.items():
+        base = baselines.get(arm)
+        if base is None or base == arm or base not in runs:
+            continue
+        shared = [s for s in sorted(set(seeds) & set(runs[base]))
+                  if served(seeds[s]) is not None and math.isfinite(final_loss(seeds[s]))
+                  and math.isfinite(final_loss(runs[base][s]))]
+        if not shared:
+            continue
+        base_mean = statistics.fmean(final_loss(runs[base][s]) for s in shared)
+        forward = interval({s: final_loss(seeds[s]) - served(seeds[s]) for s in shared}, base_mean=base_mean)
+        weights = interval({s: served(seeds[s]) - final_loss(runs[base][s]) for s in shared}, base_mean=base_mean)
+        rows.append(f"| {arm} | {len(shared)} | {_mean_sd([served(seeds[s]) for s in shared])} | "
+                    f"{forward.text()} | {weights.text()} |")
+    if not rows:
+        return []
+    return ["", "The FP4 arms' final weights served with a BF16 forward (the same checkpoint, every fprop in "
+            "BF16): the gap to the baseline split into the FP4 forward's share at inference and the share "
+            "FP4 training left in the weights.", "",
+            "| arm | seeds | final val, BF16 forward | FP4 forward - BF16 forward, nats [95% CI] (%) | "
+            "BF16 forward - baseline, nats [95% CI] (%) |", "|---|---|---|---|---|", *rows]
 
 
 def separation(iv: Interval | None) -> str:
@@ -285,7 +318,7 @@ def report(run_dirs: list[Path], out_dir: Path, *, title: str = "fp4lab",
                  else "") + ")\n\n"
               + (f"Gaps are paired by seed against arm `{base}`." if base else "No BF16 arm: no gaps.") + "\n\n")
     gaps = {f"{arm} - {base}": paired_gap(runs[arm], runs[base]) for arm in runs if base and arm != base}
-    text = (header + arm_table(runs, baselines) + "\n" + "\n".join(resolution_lines(gaps)) + "\n\nEvery run:\n\n"
-            + gap_table(receipts, baselines) + "\n")
+    text = (header + arm_table(runs, baselines) + "\n" + "\n".join(resolution_lines(gaps) + served_lines(runs, baselines))
+            + "\n\nEvery run:\n\n" + gap_table(receipts, baselines) + "\n")
     (out_dir / "report.md").write_text(text)
     return text, [out_dir / "report.md"] + plots(receipts, out_dir, title, baselines)

@@ -117,3 +117,24 @@ def test_the_bf16_moe_baseline_compiles_as_one_graph():
         got = _loss_and_grads(model, compiled, 0)
     assert torch.equal(got[0], want[0])
     assert all(torch.equal(got[1][n], want[1][n]) for n in want[1])
+
+
+def _frames_compiled(depth: int) -> int:
+    """Dynamo compilations (first ones and recompiles) of an NVFP4 MoE GPT of ``depth`` MoE blocks,
+    one training step."""
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = GPT(model_config("moe-tiny", vocab_size=128, seq_len=64, depth=depth))
+    quantize_model(model, preset("nvfp4").override({"keep_first": 0, "keep_last": 0}))
+    compiled = torch.compile(model, backend="aot_eager")
+    _loss_and_grads(model, compiled, 0)
+    return counters["frames"]["ok"]
+
+
+def test_a_compiled_moe_model_compiles_no_more_frames_when_deeper():
+    # routing breaks each MoE block's graph, so dynamo compiles Block.forward as a frame of its
+    # own; a guard on a layer's name (the op's key as a Python constant) recompiled it per block
+    # until dynamo's limit of 8 sent moe64's later blocks back to eager
+    assert _frames_compiled(5) == _frames_compiled(3)  # block 0 is dense: 2 and 4 MoE blocks

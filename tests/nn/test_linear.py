@@ -259,3 +259,17 @@ def test_triton_path_multiplies_the_same_operands(name, monkeypatch):
         assert (("dgrad", "b") not in kinds) == reused
     for fast, ref in zip(results["triton"], results["reference"]):
         torch.testing.assert_close(fast, ref, rtol=2**-7, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["nvfp4", "mxfp4", "nvfp4_four_over_six"])
+def test_a_bf16_forward_context_serves_fp4_weights_in_bf16(name):
+    # the trainer's last evaluation scores an FP4 run's weights this way (train.loop)
+    torch.manual_seed(0)
+    ref = nn.Linear(64, 48)
+    x = torch.randn(2, 16, 64)
+    layer = FP4Linear.from_linear(ref, preset(name), name="blocks.0.mlp.fc", context=QuantContext(forward_bf16=True))
+    fp4 = FP4Linear.from_linear(ref, preset(name), name="blocks.0.mlp.fc", context=QuantContext())
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        want, served, quantized = ref(x), layer(x), fp4(x)
+    assert torch.equal(served, want)
+    assert not torch.equal(quantized, want)

@@ -30,7 +30,7 @@ def test_receipt_is_complete_and_loss_falls(token_file, tmp_path):
     receipt = train(_cfg(token_file, tmp_path / "run", steps=30, eval_every=10, recipe="nvfp4_plain",
                          stiction_every=10))
     on_disk = json.loads((tmp_path / "run" / "receipt.json").read_text())
-    assert set(on_disk) == RECEIPT_KEYS and on_disk == receipt.to_dict() and on_disk["schema"] == 2
+    assert set(on_disk) == RECEIPT_KEYS and on_disk == receipt.to_dict() and on_disk["schema"] == 3
     assert Receipt.load(tmp_path / "run") == receipt  # what is read back is what was written
     assert receipt.status == "ok" and receipt.final.steps == 30
     assert [e.step for e in receipt.evals] == [10, 20, 30]
@@ -49,6 +49,10 @@ def test_receipt_is_complete_and_loss_falls(token_file, tmp_path):
     assert [l["step"] for l in lines if "val_loss" in l] == [10, 20, 30]
     assert {"all", "blocks.0.attn.qkv"} <= set(next(l["flip_rate"] for l in lines if "flip_rate" in l))
     assert all({"train_loss", "lr_mult", "grad_norm", "tokens_per_s"} <= set(l) for l in lines if "train_loss" in l)
+    # the final weights once more with a BF16 forward: another number, near the FP4 forward's
+    served = receipt.final.bf16_forward_val_loss
+    assert served is not None and served != receipt.final.val_loss and abs(served - receipt.final.val_loss) < 0.2
+    assert [l["val_loss_bf16_forward"] for l in lines if "val_loss_bf16_forward" in l] == [served]
 
 
 @pytest.mark.parametrize("recipe", ["bf16", "nvfp4"])

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from fp4lab.train.receipt import Receipt
-from fp4lab.train.report import arm_table, gap_table, paired_gap, provenance, report, runs_by_arm
+from fp4lab.train.report import arm_table, gap_table, paired_gap, provenance, report, runs_by_arm, served_lines
 from tests.train.receipts import make_receipt as receipt
 from tests.train.receipts import receipt_dict
 
@@ -65,3 +65,20 @@ def test_provenance_names_every_device_and_commit_once():
     runs[2]["device"] = "NVIDIA H200"
     text = provenance([Receipt.from_dict(r) for r in runs])
     assert text == f"device cpu, NVIDIA H200; git {'0' * 12}, {'ab' * 6}"
+
+
+def test_an_fp4_gap_splits_into_its_forward_and_its_weights_by_hand():
+    # seed 0: FP4 forward 3.05, the same weights in BF16 3.02, BF16's run 3.00; seed 1: 3.16, 3.12, 3.10
+    runs = runs_by_arm([receipt("bf16-seed0", "bf16", 0, 3.00), receipt("bf16-seed1", "bf16", 1, 3.10),
+                        receipt("nvfp4-seed0", "nvfp4", 0, 3.05, served=3.02),
+                        receipt("nvfp4-seed1", "nvfp4", 1, 3.16, served=3.12)])
+    lines = served_lines(runs, {"nvfp4": "bf16", "bf16": "bf16"})
+    (row,) = [line for line in lines if line.startswith("| nvfp4 |")]
+    cells = row.split(" | ")
+    assert cells[1] == "2" and cells[2].startswith("3.0700 ± ")
+    assert cells[3].startswith("+0.0350 [")  # (0.03 + 0.04) / 2: the forward's share
+    assert cells[4].startswith("+0.0200 [")  # (0.02 + 0.02) / 2: the weights' share, sd 0
+    assert "[+0.0200, +0.0200]" in cells[4]
+    # receipts without the evaluation (schema 2, BF16 arms) add nothing
+    assert served_lines(runs_by_arm([receipt("bf16-seed0", "bf16", 0, 3.0), receipt("nvfp4-seed0", "nvfp4", 0, 3.1)]),
+                        {"nvfp4": "bf16"}) == []
