@@ -70,6 +70,17 @@ def test_seeds_vary_init_data_and_rounding_together(tmp_path):
     assert all(c.model == "moe64" for c in moe)
 
 
+def test_the_stable_scale_keeps_the_protocol_token_budgets_with_qk_norm(tmp_path):
+    def tokens(c):
+        return c.steps * c.batch_size * c.seq_len
+    for name in ("fidelity", "fidelity-d12"):
+        medium = arm_configs(STUDIES[name], SCALES["gpu-medium"], tmp_path / "m")
+        stable = arm_configs(STUDIES[name], SCALES["gpu-stable"], tmp_path / "s")
+        assert [tokens(c) for c in stable] == [tokens(c) for c in medium]
+        assert all(c.model_overrides == {"qk_norm": True} for c in stable)
+        assert all(s.batch_size == 2 * m.batch_size for s, m in zip(stable, medium))
+
+
 def _runs(finals: dict[str, tuple], flips: dict[str, tuple] | None = None) -> StudyRuns:
     """{arm: final val per seed} (None: diverged) -> StudyRuns of minimal receipts."""
     def receipt(arm, seed, value):
