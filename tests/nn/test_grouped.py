@@ -17,7 +17,7 @@ BACKENDS = ["reference", pytest.param("triton", marks=pytest.mark.skipif(
     importlib.util.find_spec("triton") is None, reason="needs triton (TRITON_INTERPRET=1 on a CPU)"))]
 
 
-def _per_expert_loop(x, w, counts, recipe, *, name, context, label=""):
+def _per_expert_loop(x, w, counts, recipe, *, name, context, label="", keys=None):
     """What grouped_fp4_linear promises: fp4_linear per expert, named f"{name}.{e}.{label}"."""
     outs = [fp4_linear(x_e, w[e], None, recipe, name=f"{name}.{e}.{label}", context=context)
             for e, x_e in enumerate(x.split(counts)) if x_e.shape[0]]
