@@ -64,9 +64,9 @@ class QuantContext:
     stats: dict[str, dict[str, float]] = field(default_factory=dict)
     """'<layer>.<gemm>.<a|b>' -> formats.quant_stats of that operand, from the last call."""
     forward_bf16: bool = False
-    """Run fprop in BF16 whatever the recipe says (eager calls): the trainer's last evaluation of
-    an FP4 run scores its weights served in BF16 too, which separates what FP4 did to the weights
-    from what an FP4 forward costs at inference."""
+    """Run every GEMM in BF16 whatever the recipe says (eager calls; meant for no-grad evaluation):
+    the trainer's last evaluation of an FP4 run scores its weights served in BF16 too, which
+    separates what FP4 did to the weights from what an FP4 forward costs at inference."""
     rank: int = 0
     """Data-parallel rank. Ranks > 0 fold it into every seed: with one stream on all ranks, the
     stochastic-rounding noise of their gradient shards would be correlated, and DDP's average
@@ -129,8 +129,9 @@ def make_call(recipe: Recipe, name: str, context: QuantContext) -> Call:
     fprop in BF16 under ``context.forward_bf16``)."""
     call = call_at(recipe, layer_key(name), context.tick, context.progress, context.rank, name=name,
                    stats=context.stats if context.collect else None)
-    if context.forward_bf16:
-        call = dataclasses.replace(call, recipe=dataclasses.replace(call.recipe, fprop=BF16_GEMM))
+    if context.forward_bf16:  # an evaluation: no backward follows, so every GEMM goes BF16 (the
+        # recipe's own checks tie dgrad's dithered weight to fprop's)
+        call = dataclasses.replace(call, recipe=dataclasses.replace(call.recipe, **{g: BF16_GEMM for g in GEMMS}))
     return call
 
 
