@@ -183,7 +183,7 @@ def gemms_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         y = _multiply(a, 1, w_fprop, 1, grouped, (x.shape[0], weight.shape[1]), x)
         y = y if bias is None else y + bias
     elif grouped and _bf16_grouped(x, weight, calls):
-        y = torch._grouped_mm(x, weight.transpose(-2, -1), offs=_offsets(sizes, x.device))
+        y = torch._grouped_mm(x.contiguous(), weight.contiguous().transpose(-2, -1), offs=_offsets(sizes, x.device))
     elif grouped:
         y = torch.cat([F.linear(xg, w) for xg, w in zip(xs, w_src)]) if live else x.new_zeros(
             x.shape[0], weight.shape[1])
@@ -217,14 +217,14 @@ def gemms_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, size
                      else [calls[g].operand(w, 0, "dgrad", "b") for g, w in zip(live, w_src)])
             a = [calls[g].operand(dyg, 1, "dgrad", "a") for g, dyg in zip(live, dys)]
             dx = _multiply(a, 1, w_ops, 0, grouped, tuple(x.shape), dy)
-        elif grouped and _bf16_grouped(dy, weight, calls):
-            dx = torch._grouped_mm(dy, weight, offs=_offsets(sizes, dy.device))
+        elif grouped and _bf16_grouped(dy, weight, calls):  # the kernel takes row- or column-major strides only
+            dx = torch._grouped_mm(dy.contiguous(), weight.contiguous(), offs=_offsets(sizes, dy.device))
         else:
             dx = torch.cat([dyg.mm(weight[g]) for g, dyg in zip(live, dys)]) if live else torch.zeros_like(x)
     # ---- wgrad: dW = dy^T @ x, contraction over the group's tokens
     if need_dw and grouped and not (wgrad.quantized or wgrad.rotated) and _bf16_grouped(dy, weight, calls):
         # one launch for every expert, its contraction split at the groups' row offsets
-        dw = torch._grouped_mm(dy.t(), x, offs=_offsets(sizes, dy.device))
+        dw = torch._grouped_mm(dy.contiguous().t(), x.contiguous(), offs=_offsets(sizes, dy.device))
         for g, rows in enumerate(sizes):
             if not rows:  # an expert without rows gets an exact zero gradient, whatever the kernel leaves
                 dw[g].zero_()

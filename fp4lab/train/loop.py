@@ -94,13 +94,14 @@ class RunState:
     def extra(self) -> dict[str, Any]:
         """The checkpoint's state.json entries (beside its step and identity)."""
         return {"evals": [dataclasses.asdict(e) for e in self.evals], "train": self.train_curve,
-                "flips": self.flips, "wall_s": self.wall_s()}
+                "flips": self.flips, "wall_s": self.wall_s(), "bf16_forward_val": self.bf16_forward_val}
 
     @classmethod
     def from_checkpoint(cls, state: dict[str, Any]) -> "RunState":
         """A checkpoint's state.json (``extra`` plus its step) -> the state to continue from."""
         return cls(step=state["step"], evals=[Eval(**e) for e in state["evals"]], train_curve=state["train"],
-                   flips=state.get("flips", []), wall_before=state["wall_s"], last_ckpt=state["step"] or None)
+                   flips=state.get("flips", []), wall_before=state["wall_s"], last_ckpt=state["step"] or None,
+                   bf16_forward_val=state.get("bf16_forward_val"))
 
 
 def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False) -> Receipt:
@@ -291,19 +292,21 @@ def _evaluate(run: Run, *, full: bool, bf16_forward: bool = False) -> float:
     which = (None if full else cfg.eval_batches, cfg.batch_size // cfg.grad_accum)
     batches = 0
     run.context.forward_bf16 = bf16_forward
-    with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=run.autocast):
-        for x, y in run.stream.val_batches(*which):
-            n = float(y.numel())
-            total += torch.stack([model(x.to(device), y.to(device)).double() * n, torch.full((), n, device=device,
-                                                                                           dtype=torch.float64)])
-            batches += 1
-        if is_sharded(run.model):  # each forward all-gathers: a rank with an empty last share runs an idle one
-            for _ in range(run.stream.val_batch_count(*which) - batches):
-                model(torch.zeros(1, cfg.seq_len, dtype=torch.long, device=device))
-    run.context.forward_bf16 = False
+    try:
+        with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=run.autocast):
+            for x, y in run.stream.val_batches(*which):
+                n = float(y.numel())
+                total += torch.stack([model(x.to(device), y.to(device)).double() * n,
+                                      torch.full((), n, device=device, dtype=torch.float64)])
+                batches += 1
+            if is_sharded(run.model):  # each forward all-gathers: a rank with an empty last share runs an idle one
+                for _ in range(run.stream.val_batch_count(*which) - batches):
+                    model(torch.zeros(1, cfg.seq_len, dtype=torch.long, device=device))
+    finally:  # a failed evaluation must not leave the model serving BF16
+        run.context.forward_bf16 = False
+        model.train()
     if dist.is_initialized():
         dist.all_reduce(total)
-    model.train()
     return float(total[0] / total[1]) if total[1] else float("nan")
 
 

@@ -99,9 +99,10 @@ def paired_gap(arm: dict[int, Receipt], base: dict[int, Receipt], *, value=final
 
 
 def served_lines(runs: dict[str, dict[int, Receipt]], baselines: dict[str, str | None]) -> list[str]:
-    """FP4 arms whose final weights were also evaluated with a BF16 forward: their gap to the
-    baseline split into what the FP4 forward costs at inference (FP4 forward - BF16 forward, same
-    weights) and what FP4 training did to the weights (BF16 forward - the baseline). [] if none."""
+    """FP4 arms whose final weights were also evaluated with a BF16 forward: their gap to a
+    baseline that runs no FP4 forward (BF16) split into what the FP4 forward costs at inference
+    (FP4 forward - BF16 forward, same weights) and what FP4 training did to the weights (BF16
+    forward - the baseline). Arms against an FP4 baseline are left out. [] if none."""
     def served(r: Receipt) -> float | None:
         return r.final.bf16_forward_val_loss
 
@@ -110,9 +111,11 @@ def served_lines(runs: dict[str, dict[int, Receipt]], baselines: dict[str, str |
         base = baselines.get(arm)
         if base is None or base == arm or base not in runs:
             continue
+        if any(served(r) is not None for r in runs[base].values()):
+            continue  # an FP4 baseline: its own forward's share would hide in the weights' column
         shared = [s for s in sorted(set(seeds) & set(runs[base]))
-                  if served(seeds[s]) is not None and math.isfinite(final_loss(seeds[s]))
-                  and math.isfinite(final_loss(runs[base][s]))]
+                  if served(seeds[s]) is not None and math.isfinite(served(seeds[s]))
+                  and math.isfinite(final_loss(seeds[s])) and math.isfinite(final_loss(runs[base][s]))]
         if not shared:
             continue
         base_mean = statistics.fmean(final_loss(runs[base][s]) for s in shared)

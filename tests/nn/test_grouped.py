@@ -78,3 +78,21 @@ def test_counts_that_do_not_match_are_refused():
     w = torch.randn(3, 32, 64)
     with pytest.raises(ValueError, match="counts"):
         grouped_fp4_linear(torch.randn(16, 64), w, [5, 5, 5], nvfp4(), name="e", context=QuantContext())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bf16_grouped_gemms_take_any_gradient_layout(backend, monkeypatch):
+    # y.sum().backward() hands the GEMMs an expanded dy (stride 0), which torch._grouped_mm refuses
+    monkeypatch.setenv("FP4LAB_BACKEND", backend)
+    torch.manual_seed(2)
+    w = (torch.randn(3, 32, 64, device=DEVICE) * 0.1).bfloat16().requires_grad_()
+    x = torch.randn(16, 64, device=DEVICE).bfloat16().requires_grad_()
+    for counts in ([5, 0, 11], [16, 0, 0]):
+        x.grad = w.grad = None
+        grouped_fp4_linear(x, w, counts, preset("bf16"), name="e", context=QuantContext()).sum().backward()
+        got = (x.grad.clone(), w.grad.clone())
+        x.grad = w.grad = None
+        _per_expert_loop(x, w, counts, preset("bf16"), name="e", context=QuantContext()).sum().backward()
+        for g, ref in zip(got, (x.grad, w.grad)):
+            torch.testing.assert_close(g.float(), ref.float(), rtol=2**-7, atol=1e-5)
+        assert float(got[1][1].abs().max()) == 0

@@ -78,6 +78,10 @@ def test_resume_continues_bit_identically(token_file, tmp_path, recipe):
     a = load_file(str(tmp_path / "whole" / "checkpoint" / "model.safetensors"))
     b = load_file(str(tmp_path / "split" / "checkpoint" / "model.safetensors"))
     assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+    assert rest.final.bf16_forward_val_loss == whole.final.bf16_forward_val_loss
+    assert (whole.final.bf16_forward_val_loss is None) == (recipe == "bf16")
+    again = train(_cfg(token_file, tmp_path / "split", recipe=recipe, recipe_overrides=overrides), resume=True)
+    assert again.final == rest.final  # resuming a finished run keeps its BF16-forward evaluation
 
 
 def test_corrupt_or_foreign_checkpoints_are_refused(token_file, tmp_path):

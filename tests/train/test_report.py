@@ -82,3 +82,11 @@ def test_an_fp4_gap_splits_into_its_forward_and_its_weights_by_hand():
     # receipts without the evaluation (schema 2, BF16 arms) add nothing
     assert served_lines(runs_by_arm([receipt("bf16-seed0", "bf16", 0, 3.0), receipt("nvfp4-seed0", "nvfp4", 0, 3.1)]),
                         {"nvfp4": "bf16"}) == []
+
+
+def test_an_arm_against_an_fp4_baseline_gets_no_split():
+    # the baseline's own FP4 forward would hide in the weights' column: no row rather than a wrong one
+    runs = runs_by_arm([receipt("fprop-seed0", "fprop", 0, 3.05, served=3.02),
+                        receipt("fprop_dgrad-seed0", "fprop_dgrad", 0, 3.08, served=3.03),
+                        receipt("nvfp4-seed0", "nvfp4", 0, 3.1, served=float("nan"))])
+    assert served_lines(runs, {"fprop_dgrad": "fprop", "nvfp4": "fprop"}) == []
