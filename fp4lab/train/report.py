@@ -125,7 +125,7 @@ def served_lines(runs: dict[str, dict[int, Receipt]], baselines: dict[str, str |
                     f"{forward.text()} | {weights.text()} |")
     if not rows:
         return []
-    return ["", "The FP4 arms' final weights served with a BF16 forward (the same checkpoint, every fprop in "
+    return ["", "The FP4 arms' final weights served with a BF16 forward (the same weights, every GEMM in "
             "BF16): the gap to the baseline split into the FP4 forward's share at inference and the share "
             "FP4 training left in the weights.", "",
             "| arm | seeds | final val, BF16 forward | FP4 forward - BF16 forward, nats [95% CI] (%) | "
