@@ -56,13 +56,18 @@ def test_grouped_experts_equal_the_per_expert_loop(name, backend, monkeypatch):
             torch.testing.assert_close(g, ref, rtol=2**-7, atol=1e-5)
 
 
+def _expert_tensors(dtype: torch.dtype, seed: int):
+    """Three experts' weights [3, 32, 64] and 16 rows of x, both leaves in ``dtype``."""
+    torch.manual_seed(seed)
+    w = (torch.randn(3, 32, 64, device=DEVICE) * 0.1).to(dtype).requires_grad_()
+    return w, torch.randn(16, 64, device=DEVICE).to(dtype).requires_grad_()
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_fp16_and_no_rows_at_all(backend, monkeypatch):
     """fp16 compute (results via fp32, as the per-expert loop) and a batch routed to no expert rows."""
     monkeypatch.setenv("FP4LAB_BACKEND", backend)
-    torch.manual_seed(1)
-    w = (torch.randn(3, 32, 64, device=DEVICE) * 0.1).half().requires_grad_()
-    x = torch.randn(16, 64, device=DEVICE).half().requires_grad_()
+    w, x = _expert_tensors(torch.float16, 1)
     y = grouped_fp4_linear(x, w, [5, 0, 11], nvfp4(), name="e", context=QuantContext())
     assert y.dtype == torch.float16 and y.shape == (16, 32) and bool(y.isfinite().all())
     y.float().sum().backward()
@@ -84,9 +89,7 @@ def test_counts_that_do_not_match_are_refused():
 def test_bf16_grouped_gemms_take_any_gradient_layout(backend, monkeypatch):
     # y.sum().backward() hands the GEMMs an expanded dy (stride 0), which torch._grouped_mm refuses
     monkeypatch.setenv("FP4LAB_BACKEND", backend)
-    torch.manual_seed(2)
-    w = (torch.randn(3, 32, 64, device=DEVICE) * 0.1).bfloat16().requires_grad_()
-    x = torch.randn(16, 64, device=DEVICE).bfloat16().requires_grad_()
+    w, x = _expert_tensors(torch.bfloat16, 2)
     for counts in ([5, 0, 11], [16, 0, 0]):
         x.grad = w.grad = None
         grouped_fp4_linear(x, w, counts, preset("bf16"), name="e", context=QuantContext()).sum().backward()
