@@ -60,13 +60,18 @@ def step_times(recipe_name: str, mode: str, args) -> list[float]:
     return times[args.warmup:]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
+def step_arguments(parser: argparse.ArgumentParser, *, warmup: int, steps: int) -> None:
+    """The model, batch and step counts make_step reads (shared with profile_model.py)."""
     parser.add_argument("--model", default="d12")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=1024)
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=warmup)
+    parser.add_argument("--steps", type=int, default=steps)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    step_arguments(parser, warmup=5, steps=20)
     parser.add_argument("--arms", nargs="*", default=list(ARMS))
     parser.add_argument("--modes", nargs="*", default=["eager", "compiled"], choices=["eager", "compiled"])
     args = parser.parse_args()

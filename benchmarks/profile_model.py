@@ -20,7 +20,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.bench_model import make_step  # noqa: E402
+from benchmarks.bench_model import make_step, step_arguments  # noqa: E402
 from benchmarks.common import RESULTS  # noqa: E402
 
 
@@ -49,11 +49,7 @@ def profile_run(arm: str, mode: str, args) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model", default="d12")
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--seq", type=int, default=1024)
-    parser.add_argument("--warmup", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=2)
+    step_arguments(parser, warmup=4, steps=2)
     parser.add_argument("--rows", type=int, default=15)
     parser.add_argument("--runs", nargs="*", default=["bf16/eager", "nvfp4/eager", "bf16/compiled", "nvfp4/compiled"])
     args = parser.parse_args()

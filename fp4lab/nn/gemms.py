@@ -126,7 +126,7 @@ def layer_key(name: str) -> int:
 
 def make_call(recipe: Recipe, name: str, context: QuantContext) -> Call:
     """The Call of layer ``name`` at the context's tick (the recipe in force at its progress;
-    fprop in BF16 under ``context.forward_bf16``)."""
+    every GEMM in BF16 under ``context.forward_bf16``)."""
     call = call_at(recipe, layer_key(name), context.tick, context.progress, context.rank, name=name,
                    stats=context.stats if context.collect else None)
     if context.forward_bf16:  # an evaluation: no backward follows, so every GEMM goes BF16 (the
@@ -208,6 +208,7 @@ def gemms_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, size
     rows = [sizes[g] for g in live]
     xs, dys = (x.split(rows), dy.split(rows)) if grouped else ([x], [dy])
     dgrad, wgrad = calls[0].recipe.dgrad, calls[0].recipe.wgrad
+    offs = _offsets(sizes, dy.device) if grouped and _bf16_grouped(dy, weight, calls) else None
     dx = dw = None
     # ---- dgrad: dx = dy @ W, contraction over N
     if need_dx:
@@ -217,14 +218,14 @@ def gemms_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, size
                      else [calls[g].operand(w, 0, "dgrad", "b") for g, w in zip(live, w_src)])
             a = [calls[g].operand(dyg, 1, "dgrad", "a") for g, dyg in zip(live, dys)]
             dx = _multiply(a, 1, w_ops, 0, grouped, tuple(x.shape), dy)
-        elif grouped and _bf16_grouped(dy, weight, calls):  # the kernel takes row- or column-major strides only
-            dx = torch._grouped_mm(dy.contiguous(), weight.contiguous(), offs=_offsets(sizes, dy.device))
+        elif offs is not None:  # the kernel takes row- or column-major strides only
+            dx = torch._grouped_mm(dy.contiguous(), weight.contiguous(), offs=offs)
         else:
             dx = torch.cat([dyg.mm(weight[g]) for g, dyg in zip(live, dys)]) if live else torch.zeros_like(x)
     # ---- wgrad: dW = dy^T @ x, contraction over the group's tokens
-    if need_dw and grouped and not (wgrad.quantized or wgrad.rotated) and _bf16_grouped(dy, weight, calls):
+    if need_dw and offs is not None and not (wgrad.quantized or wgrad.rotated):
         # one launch for every expert, its contraction split at the groups' row offsets
-        dw = torch._grouped_mm(dy.contiguous().t(), x.contiguous(), offs=_offsets(sizes, dy.device))
+        dw = torch._grouped_mm(dy.contiguous().t(), x.contiguous(), offs=offs)
         for g, rows in enumerate(sizes):
             if not rows:  # an expert without rows gets an exact zero gradient, whatever the kernel leaves
                 dw[g].zero_()

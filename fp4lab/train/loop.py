@@ -85,7 +85,7 @@ class RunState:
     timed_s: float = 0.0
     """Seconds of those steps."""
     bf16_forward_val: float | None = None
-    """The last evaluation of an FP4 run's weights with every fprop in BF16 (None: not an FP4
+    """The last evaluation of an FP4 run's weights with every GEMM in BF16 (None: not an FP4
     forward, or not evaluated yet)."""
 
     def wall_s(self) -> float:
@@ -284,7 +284,7 @@ def _step(run: Run, state: RunState, step: int, stiction, metrics) -> tuple[floa
 
 def _evaluate(run: Run, *, full: bool, bf16_forward: bool = False) -> float:
     """Mean validation loss per token: over ``eval_batches`` batches, or the whole split (full).
-    ``bf16_forward``: the same weights with every fprop in BF16 (the eager model: the compiled
+    ``bf16_forward``: the same weights with every GEMM in BF16 (the eager model: the compiled
     ops follow the recipe alone)."""
     cfg, device, model = run.cfg, run.device, (run.model if bf16_forward else run.runner)
     model.eval()

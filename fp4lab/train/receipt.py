@@ -82,7 +82,7 @@ class Final:
     steps: int
     """Optimizer steps done (less than config steps when stopped or diverged)."""
     bf16_forward_val_loss: float | None
-    """The last evaluation again, the same weights with every fprop in BF16: what an FP4-trained
+    """The last evaluation again, the same weights with every GEMM in BF16: what an FP4-trained
     model loses to its FP4 forward at inference (val_loss - this) against what training in FP4
     did to its weights (this - BF16's val_loss). None where the forward runs no FP4 GEMM."""
 
