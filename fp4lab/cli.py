@@ -326,7 +326,8 @@ def _add_study(sub, name: str, help: str) -> argparse.ArgumentParser:
     p = sub.add_parser(name, help=help)
     p.add_argument("name", nargs="?", help="the study to run (see --list)")
     p.add_argument("--list", action="store_true", help="list the studies with their arms and cost")
-    p.add_argument("--scale", default="smoke", help="smoke (CPU, seconds), gpu-small, gpu-medium")
+    p.add_argument("--scale", default="smoke", help="smoke (CPU, seconds), gpu-small, gpu-medium, gpu-stable "
+                   "(the measurement protocol's settings; --list gives each scale's cost)")
     p.add_argument("--seeds", type=int, nargs="+", help="seeds to run (default: the scale's)")
     p.add_argument("--arms", nargs="+", help="run only these arms (default: all; the report covers what is there)")
     p.add_argument("--jobs", type=int, default=1, help="runs at once, in subprocesses (GPU: small models)")

@@ -41,7 +41,7 @@ sweep() {  # MODEL LRS TOKENS [TAG SETS]
   for lr in ${lrs//,/ }; do for seed in 0 1 2; do
     echo "--model $model --data code --recipe bf16 --steps $steps --set batch_size=$batch --set seq_len=$seq \
       --set lr=$lr --set warmup=$warmup --set eval_every=$every --set eval_batches=16 --set log_every=50 \
-      --set seed=$seed --set progress=false \
+      --set seed=$seed --set recipe.seed=$seed --set progress=false \
       $sets--out $dir/${tag:+$tag-}lr$lr-seed$seed"
   done; done | xargs -P "${JOBS:-3}" -L 1 bash -c \
       'out=${@: -1}; [ -f "$out/receipt.json" ] || python3 -m fp4lab train "$@" 2>&1 | tail -1' _
@@ -84,7 +84,7 @@ run_phases() {
       reuse:*) IFS=: read -r _ from to arms <<< "$phase"; copy_receipts "$from" "$to" "$arms" ;;
       study:*) IFS=: read -r _ name arms <<< "$phase"
                python3 -m fp4lab study "$name" --scale "${SCALE:-gpu-medium}" --jobs "${JOBS:-6}" --out "$ROOT/$name" \
-                 ${arms:+--arms ${arms//,/ }} 2>&1 | quiet | grep -v "^|" ;;
+                 ${arms:+--arms ${arms//,/ }} 2>&1 | quiet | grep --line-buffered -v "^|" ;;
       parallel:*) IFS=: read -r _ recipes modes <<< "$phase"; parallel "$recipes" "$modes" ;;
       sweep:*) IFS=: read -r _ model lrs millions tag sets <<< "$phase"; sweep "$model" "$lrs" "$millions" "$tag" "$sets" ;;
       *) echo "unknown phase $phase" ;;

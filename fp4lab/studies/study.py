@@ -228,6 +228,14 @@ def _run_one(cfg: TrainConfig) -> str:
     return f"{cfg.out}: {receipt.status}, final val {receipt.final.val_loss}"
 
 
+def _run_keyed(cfg: TrainConfig) -> tuple[str, str]:
+    return cfg.out, _run_one(cfg)
+
+
+def _out_of_memory(line: str) -> bool:
+    return ": FAILED (OutOfMemoryError" in line or ("FAILED (" in line and "out of memory" in line)
+
+
 def run_study(study: Study, scale: Scale, out: Path, *, seeds: tuple[int, ...] | None = None,
               arms: tuple[str, ...] | None = None, jobs: int = 1, **changes: Any) -> list[TrainConfig]:
     """Train every missing (arm, seed) run -> the configs asked for. A run that fails is reported
@@ -245,9 +253,20 @@ def run_study(study: Study, scale: Scale, out: Path, *, seeds: tuple[int, ...] |
         if ": FAILED (" in line:
             failed.append(line)
     if jobs > 1 and len(todo) > 1:
-        with multiprocessing.get_context("spawn").Pool(min(jobs, len(todo))) as pool:
-            for line in pool.imap_unordered(_run_one, todo):
-                done(line)
+        # one process per run (maxtasksperchild=1): a finished run's process exits and hands its GPU
+        # memory back, where an idle worker would keep its cache and starve the runs still to start
+        crowded = []
+        with multiprocessing.get_context("spawn").Pool(min(jobs, len(todo)), maxtasksperchild=1) as pool:
+            by_out = {c.out: c for c in todo}
+            for out, line in pool.imap_unordered(_run_keyed, todo):
+                cfg = by_out[out]
+                if _out_of_memory(line):
+                    crowded.append(cfg)
+                    bar.write(f"{cfg.out}: out of memory beside other runs; retried alone at the end")
+                else:
+                    done(line)
+        for cfg in crowded:
+            done(_run_one(cfg))
     else:
         for cfg in todo:
             done(_run_one(cfg))

@@ -78,7 +78,12 @@ def test_the_stable_scale_keeps_the_protocol_token_budgets_with_qk_norm(tmp_path
         stable = arm_configs(STUDIES[name], SCALES["gpu-stable"], tmp_path / "s")
         assert [tokens(c) for c in stable] == [tokens(c) for c in medium]
         assert all(c.model_overrides == {"qk_norm": True} for c in stable)
-        assert all(s.batch_size == 2 * m.batch_size for s, m in zip(stable, medium))
+    # d6 takes twice the batch in half the steps; d12 keeps its batch (twice ended worse)
+    d6 = zip(arm_configs(STUDIES["fidelity"], SCALES["gpu-stable"], tmp_path / "s"),
+             arm_configs(STUDIES["fidelity"], SCALES["gpu-medium"], tmp_path / "m"))
+    assert all(s.batch_size == 2 * m.batch_size for s, m in d6)
+    d12 = arm_configs(STUDIES["fidelity-d12"], SCALES["gpu-stable"], tmp_path / "s")
+    assert {(c.batch_size, c.steps) for c in d12} == {(32, 1526)}
 
 
 def _runs(finals: dict[str, tuple], flips: dict[str, tuple] | None = None) -> StudyRuns:
@@ -201,6 +206,43 @@ def test_a_run_finished_elsewhere_counts_as_done_when_only_its_place_differs(tmp
     assert _done(cfg)
     replace(make_receipt(), config=replace(other, lr=2e-3).to_dict()).save(tmp_path / "here" / "receipt.json")
     assert not _done(cfg)
+
+
+def test_runs_out_of_memory_beside_others_are_retried_alone_and_other_failures_reported(tmp_path, monkeypatch):
+    # runs sharing a GPU can run out of memory at start; the runner tries those again one by one
+    # after the pool, and still reports a run that fails for another reason (or fails again)
+    from types import SimpleNamespace
+
+    from fp4lab.studies import study as study_module
+
+    class InProcessPool:  # the pool's contract, without processes (monkeypatching does not cross spawn)
+        def __init__(self, n, maxtasksperchild=None):
+            assert maxtasksperchild == 1  # each run's process exits and hands back its GPU memory
+        def __enter__(self):
+            return self
+        def __exit__(self, *exc):
+            return False
+        def imap_unordered(self, fn, items):
+            return map(fn, items)
+
+    context = SimpleNamespace(Pool=InProcessPool)
+    monkeypatch.setattr(study_module, "multiprocessing", SimpleNamespace(get_context=lambda kind: context))
+    calls = []
+
+    def fake_run(cfg):
+        calls.append(cfg.out)
+        first = calls.count(cfg.out) == 1
+        if cfg.out.endswith("mxfp4-seed0") and first:
+            return f"{cfg.out}: FAILED (OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB)"
+        if cfg.out.endswith("nvfp4-seed0"):
+            return f"{cfg.out}: FAILED (ValueError: bad data)"
+        return f"{cfg.out}: ok, final val 1.0"
+    monkeypatch.setattr(study_module, "_run_one", fake_run)
+    with pytest.raises(RuntimeError, match=r"1 of 5 runs failed:\n.*nvfp4-seed0: FAILED \(ValueError"):
+        run_study(STUDIES["fidelity"], SCALES["smoke"], tmp_path, jobs=3)
+    retried = [c for c in calls if c.endswith("mxfp4-seed0")]
+    assert len(retried) == 2 and calls[-1] == retried[-1]  # tried again after every other run
+    assert [c for c in calls if c.endswith("nvfp4-seed0")] == [str(tmp_path / "nvfp4-seed0")]  # not retried
 
 
 def test_gap_closers_verdict_and_the_goal_line():
