@@ -129,7 +129,7 @@ GAINS = Study(
             for name, o in _GAINS.items() if o)),
     comparisons=tuple((name, "unit") for name in _GAINS if name != "unit")
     + tuple((name, "bf16") for name in _GAINS if name != "unit"),
-    verdict=_gains)
+    effects={"embed - unit": -0.18, "logits - unit": +0.15, "old_pair - unit": +0.05}, verdict=_gains)
 
 
 # ---- expert lane -----------------------------------------------------------------------------
@@ -164,6 +164,7 @@ EXPERT_LANE = Study(
           *(Arm(name=f"bf16_embed_{lane}", recipe="bf16", recipe_overrides=_EMBED, train={"expert_opt": lane},
                 baseline=f"bf16_{lane}") for lane in _LANES)),
     comparisons=(("nvfp4_adamw", "bf16_adamw"), ("nvfp4_muon", "bf16_muon"), ("nvfp4_muon", "nvfp4_adamw")),
+    effects={f"nvfp4_{lane} - bf16_embed_{lane}": 0.046 for lane in _LANES},
     train={"dense_opt": "muon"}, verdict=_expert_lane)
 
 

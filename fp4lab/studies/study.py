@@ -143,6 +143,10 @@ class Study:
     against plain BF16 as well as against BF16 with the same gain."""
     verdict: Callable[[StudyRuns], Verdict]
     """The runs -> Verdict (paired intervals; see the module doc)."""
+    effects: dict[str, float] = field(default_factory=dict)
+    """{'arm - base': the gap in nats the claim reports} for claims that give one: the report says
+    how many seeds would resolve that effect at the measured paired spread (how a rerun's scale and
+    seed count are chosen; the source's effect at its own scale, a target rather than a prediction)."""
 
     def __post_init__(self) -> None:
         names = [a.name for a in self.arms]
@@ -154,6 +158,10 @@ class Study:
         for pair in self.comparisons:
             if not set(pair) <= set(names):
                 raise ValueError(f"study {self.name}: comparison {pair} names an unknown arm")
+        for label in self.effects:
+            pair = label.split(" - ")
+            if len(pair) != 2 or not set(pair) <= set(names):
+                raise ValueError(f"study {self.name}: effect {label!r} is not an 'arm - base' pair of its arms")
 
     @property
     def moe(self) -> bool:
@@ -357,7 +365,8 @@ def write_report(study: Study, out: Path) -> tuple[str, list[Path]]:
         for arm, base in study.comparisons:
             iv = paired_gap(runs[arm], runs[base]) if arm in runs and base in runs else None
             lines.append(f"| {arm} - {base} | {iv.text() if iv is not None else 'not run'} |")
-    lines += resolution_lines({k: paired_gap(runs[a], runs[b]) for k, (a, b) in _pairs(study, baselines, runs)})
+    lines += resolution_lines({k: paired_gap(runs[a], runs[b]) for k, (a, b) in _pairs(study, baselines, runs)},
+                              study.effects)
     lines += served_lines(runs, baselines)
     receipts = [r for seeds in runs.values() for r in seeds.values()]
     lines += ["", "Every run:", "", gap_table(receipts, baselines), ""]

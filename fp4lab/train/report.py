@@ -283,24 +283,36 @@ def plots(receipts: list[Receipt], out_dir: Path, title: str,
     return written
 
 
-def resolution_lines(gaps: dict) -> list[str]:
+def resolution_lines(gaps: dict, effects: dict[str, float] | None = None) -> list[str]:
     """The arithmetic behind a scale choice: per gap, the paired spread, the interval's half-width
-    and how many seeds would resolve a gap of the measured size at that spread."""
+    and how many seeds would resolve a gap of the measured size at that spread; with ``effects``
+    ({gap label: the effect the claim predicts, nats}) also the seeds that would resolve the claim's
+    own effect at that spread, the number a rerun's scale is chosen by."""
+    effects = effects or {}
     rows = []
     for label, iv in gaps.items():
         if iv is None or iv.n < 2:
             continue
         sd = statistics.stdev(iv.values)
         need = seeds_to_resolve(iv)
-        rows.append(f"| {label} | {iv.mean:+.4f} | {sd:.4f} | {iv.half:.4f} ({iv.n} seeds) | "
-                    f"{'resolved' if iv.half < abs(iv.mean) else need if need else 'more than 100'} |")
+        row = (f"| {label} | {iv.mean:+.4f} | {sd:.4f} | {iv.half:.4f} ({iv.n} seeds) | "
+               f"{'resolved' if iv.half < abs(iv.mean) else need if need else 'more than 100'} |")
+        if effects:
+            effect = effects.get(label)
+            claimed = None if effect is None else seeds_to_resolve(iv, effect)
+            row += (" - |" if effect is None else
+                    f" {effect:+.4f}: {'resolvable' if iv.half < abs(effect) else claimed or 'more than 100'} |")
+        rows.append(row)
     if not rows:
         return []
+    head, rule = "| gap | mean | sd of per-seed differences | 95% half-width | seeds to resolve |", "|---|---|---|---|---|"
+    if effects:
+        head, rule = head + " the claim's effect: seeds to resolve it |", rule + "---|"
     return ["", "Resolution: the per-seed differences' standard deviation, the 95% half-width it gives, and "
             "the seeds a gap of the measured size would need at that spread (t-interval half-width below "
-            "|gap|); a study reruns where the effect its claim predicts exceeds the half-width.", "",
-            "| gap | mean | sd of per-seed differences | 95% half-width | seeds to resolve |",
-            "|---|---|---|---|---|", *rows]
+            "|gap|); a study reruns where the effect its claim predicts exceeds the half-width"
+            + (" (last column: the claim's own effect, 'resolvable' when this many seeds already resolve it)"
+               if effects else "") + ".", "", head, rule, *rows]
 
 
 def report(run_dirs: list[Path], out_dir: Path, *, title: str = "fp4lab",

@@ -69,3 +69,24 @@ def test_seeds_to_resolve_by_hand():
     assert seeds_to_resolve(iv, effect=0.005) == 18
     assert seeds_to_resolve(iv, effect=1e-6) is None  # more than 100 seeds
     assert seeds_to_resolve(interval({0: 0.5})) is None  # one seed: no spread known
+
+
+def test_resolution_lines_give_the_seeds_a_claimed_effect_needs():
+    from fp4lab.train.report import resolution_lines
+    from fp4lab.train.stats import interval
+    iv = interval({0: 0.01, 1: 0.03, 2: 0.02})  # mean 0.02, sd 0.01, half-width 0.0248 (above)
+    rows = {line.split(" | ")[0]: line for line in resolution_lines(
+        {"a - b": iv, "c - b": iv, "d - b": iv}, {"a - b": 0.005, "c - b": -0.03})}
+    assert rows["| a - b"].endswith("| 4 | +0.0050: 18 |")  # 18 seeds for the claim's 0.005 (above)
+    assert rows["| c - b"].endswith("| 4 | -0.0300: resolvable |")  # 0.0248 < 0.03 already at 3 seeds
+    assert rows["| d - b"].endswith("| 4 | - |")  # no claimed effect for this gap
+    assert "claim's effect" in resolution_lines({"a - b": iv}, {"a - b": 0.005})[3]
+    assert "claim's effect" not in "".join(resolution_lines({"a - b": iv}))  # no column without effects
+
+
+def test_a_study_refuses_an_effect_of_unknown_arms():
+    from fp4lab.studies.catalog import STUDIES
+    from dataclasses import replace
+    with pytest.raises(ValueError, match="not an 'arm - base' pair"):
+        replace(STUDIES["gains"], effects={"embed - nowhere": 0.1})
+    assert set(STUDIES["gains"].effects) <= {f"{a} - {b}" for a, b in STUDIES["gains"].comparisons}
