@@ -11,8 +11,10 @@
 #                           so the runner skips what is finished
 #   reuse:FROM:TO:ARM,ARM   the same from study FROM's committed runs into study TO (same settings:
 #                           e.g. fidelity's bf16 and nvfp4 for gap-closers)
-#   study:NAME[:ARM,ARM]    fp4lab study NAME at $SCALE (default gpu-medium), $JOBS runs at once;
-#                           finished runs are skipped, stopped ones resume from their checkpoint
+#   study:NAME[:ARM,ARM][@N]
+#                           fp4lab study NAME at $SCALE (default gpu-medium), N runs at once (default
+#                           $JOBS, else 6); finished runs are skipped, stopped ones resume from their
+#                           checkpoint, and runs that ran out of memory beside others are retried alone
 #   parallel:RECIPES:MODES  d6 at gpu-medium's settings, seed 0, under torchrun on every visible GPU, one
 #                           run per recipe x mode (ddp, fsdp), all at once -> runs/gpu/ddp/ (issue 18:
 #                           the same global batch as the 1-GPU fidelity runs, so seed 0 pairs with them)
@@ -82,8 +84,9 @@ run_phases() {
       receipts) for d in results/*/; do d=$(basename "$d"); ls results/"$d"/*/receipt.json >/dev/null 2>&1 \
                   && copy_receipts "$d" "$d"; done ;;
       reuse:*) IFS=: read -r _ from to arms <<< "$phase"; copy_receipts "$from" "$to" "$arms" ;;
-      study:*) IFS=: read -r _ name arms <<< "$phase"
-               python3 -m fp4lab study "$name" --scale "${SCALE:-gpu-medium}" --jobs "${JOBS:-6}" --out "$ROOT/$name" \
+      study:*) IFS=: read -r _ name arms <<< "${phase%@*}"
+               jobs=${JOBS:-6}; [[ $phase == *@* ]] && jobs=${phase##*@}
+               python3 -m fp4lab study "$name" --scale "${SCALE:-gpu-medium}" --jobs "$jobs" --out "$ROOT/$name" \
                  ${arms:+--arms ${arms//,/ }} 2>&1 | quiet | grep --line-buffered -v "^|" ;;
       parallel:*) IFS=: read -r _ recipes modes <<< "$phase"; parallel "$recipes" "$modes" ;;
       sweep:*) IFS=: read -r _ model lrs millions tag sets <<< "$phase"; sweep "$model" "$lrs" "$millions" "$tag" "$sets" ;;
