@@ -14,7 +14,9 @@
 #   study:NAME[:ARM,ARM][@N]
 #                           fp4lab study NAME at $SCALE (default gpu-medium), N runs at once (default
 #                           $JOBS, else 6); finished runs are skipped, stopped ones resume from their
-#                           checkpoint, and runs that ran out of memory beside others are retried alone
+#                           checkpoint, and runs that ran out of memory beside others are retried with
+#                           fewer at once. Output: runs/gpu/NAME at gpu-medium, NAME-X at gpu-X (e.g.
+#                           fidelity-stable), as results/ names them, so a scale never overwrites another's
 #   parallel:RECIPES:MODES  d6 at gpu-medium's settings, seed 0, under torchrun on every visible GPU, one
 #                           run per recipe x mode (ddp, fsdp), all at once -> runs/gpu/ddp/ (issue 18:
 #                           the same global batch as the 1-GPU fidelity runs, so seed 0 pairs with them)
@@ -86,7 +88,8 @@ run_phases() {
       reuse:*) IFS=: read -r _ from to arms <<< "$phase"; copy_receipts "$from" "$to" "$arms" ;;
       study:*) IFS=: read -r _ name arms <<< "${phase%@*}"
                jobs=${JOBS:-6}; [[ $phase == *@* ]] && jobs=${phase##*@}
-               python3 -m fp4lab study "$name" --scale "${SCALE:-gpu-medium}" --jobs "$jobs" --out "$ROOT/$name" \
+               scale=${SCALE:-gpu-medium}; dir=$name; [ "$scale" = gpu-medium ] || dir=$name-${scale#gpu-}
+               python3 -m fp4lab study "$name" --scale "$scale" --jobs "$jobs" --out "$ROOT/$dir" \
                  ${arms:+--arms ${arms//,/ }} 2>&1 | quiet | grep --line-buffered -v "^|" ;;
       parallel:*) IFS=: read -r _ recipes modes <<< "$phase"; parallel "$recipes" "$modes" ;;
       sweep:*) IFS=: read -r _ model lrs millions tag sets <<< "$phase"; sweep "$model" "$lrs" "$millions" "$tag" "$sets" ;;

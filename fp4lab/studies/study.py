@@ -30,6 +30,7 @@ import json
 import math
 import multiprocessing
 import statistics
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -223,31 +224,55 @@ def _run_one(cfg: TrainConfig) -> str:
     # a run cut off part-way (a stopped call, a lost machine) continues from its checkpoint; the
     # checkpoint's identity check refuses one of another configuration, which then starts over
     ckpt = Path(cfg.out) / "checkpoint"
-    receipt = None
-    if ckpt.exists():
-        try:
-            receipt = train(cfg, resume=True)
-        except CheckpointError as err:
-            print(f"{cfg.out}: not resuming ({err}); starting over", flush=True)
-    try:
+    try:  # one failed run (out of memory, bad data), resuming or not, must not stop the others
+        receipt = None
+        if ckpt.exists():
+            try:
+                receipt = train(cfg, resume=True)
+            except CheckpointError as err:
+                print(f"{cfg.out}: not resuming ({err}); starting over", flush=True)
         receipt = receipt or train(cfg, overwrite=True)  # a run of another config, or one that failed
-    except Exception as err:  # noqa: BLE001 -- one failed run (out of memory, bad data) must not stop the others
+    except Exception as err:  # noqa: BLE001
         return f"{cfg.out}: FAILED ({type(err).__name__}: {err})"
     return f"{cfg.out}: {receipt.status}, final val {receipt.final.val_loss}"
 
 
-def _run_keyed(cfg: TrainConfig) -> tuple[str, str]:
-    return cfg.out, _run_one(cfg)
+# how a run that could not get GPU memory fails: torch's allocator, a CUDA call, cuBLAS's handle
+_NO_MEMORY = ("OutOfMemoryError", "out of memory", "ALLOC_FAILED")
 
 
 def _out_of_memory(line: str) -> bool:
-    return ": FAILED (OutOfMemoryError" in line or ("FAILED (" in line and "out of memory" in line)
+    return ": FAILED (" in line and any(sign in line for sign in _NO_MEMORY)
+
+
+def _run_pooled(todo: list[TrainConfig], jobs: int, done: Callable[[str], None],
+                note: Callable[[str], None]) -> list[TrainConfig]:
+    """Train ``todo``, ``jobs`` at once, each in its own process (it exits with its run and hands
+    its GPU memory back, where an idle worker would keep its cache) -> the runs that ran out of
+    memory beside the others, for another round with fewer at once."""
+    crowded = []
+    with ProcessPoolExecutor(min(jobs, len(todo)), mp_context=multiprocessing.get_context("spawn"),
+                             max_tasks_per_child=1) as pool:
+        futures = {pool.submit(_run_one, cfg): cfg for cfg in todo}
+        for future in as_completed(futures):
+            cfg = futures[future]
+            try:
+                line = future.result()
+            except Exception as err:  # noqa: BLE001 -- the worker died (killed, crashed): report, don't hang
+                line = f"{cfg.out}: FAILED ({type(err).__name__}: {err})"
+            if _out_of_memory(line):
+                crowded.append(cfg)
+                note(f"{cfg.out}: out of memory beside other runs; tried again with fewer at once")
+            else:
+                done(line)
+    return crowded
 
 
 def run_study(study: Study, scale: Scale, out: Path, *, seeds: tuple[int, ...] | None = None,
               arms: tuple[str, ...] | None = None, jobs: int = 1, **changes: Any) -> list[TrainConfig]:
     """Train every missing (arm, seed) run -> the configs asked for. A run that fails is reported
-    (a FAILED line) and the others go on; raises RuntimeError at the end naming the failures."""
+    (a FAILED line) and the others go on; runs that ran out of memory beside others get further
+    rounds with half as many at once; raises RuntimeError at the end naming the failures."""
     configs = arm_configs(study, scale, out, seeds=seeds, arms=arms, **changes)
     todo = [c for c in configs if not _done(c)]
     for source, vocab, max_bytes in {(c.data, c.vocab_size, c.data_max_bytes) for c in todo if c.data in CORPORA}:
@@ -260,24 +285,16 @@ def run_study(study: Study, scale: Scale, out: Path, *, seeds: tuple[int, ...] |
         bar.update(1)
         if ": FAILED (" in line:
             failed.append(line)
-    if jobs > 1 and len(todo) > 1:
-        # one process per run (maxtasksperchild=1): a finished run's process exits and hands its GPU
-        # memory back, where an idle worker would keep its cache and starve the runs still to start
-        crowded = []
-        with multiprocessing.get_context("spawn").Pool(min(jobs, len(todo)), maxtasksperchild=1) as pool:
-            by_out = {c.out: c for c in todo}
-            for out, line in pool.imap_unordered(_run_keyed, todo):
-                cfg = by_out[out]
-                if _out_of_memory(line):
-                    crowded.append(cfg)
-                    bar.write(f"{cfg.out}: out of memory beside other runs; retried alone at the end")
-                else:
-                    done(line)
-        for cfg in crowded:
-            done(_run_one(cfg))
-    else:
-        for cfg in todo:
-            done(_run_one(cfg))
+    pending = todo
+    while pending:
+        if jobs > 1 and len(pending) > 1:
+            pending = _run_pooled(pending, jobs, done, bar.write)
+            jobs = max(1, jobs // 2)  # a run that failed fast freed its slot for the next, which met
+            # the same crowd: each round halves the runs at once, down to one at a time
+        else:
+            for cfg in pending:
+                done(_run_one(cfg))
+            pending = []
     bar.close()
     if failed:
         raise RuntimeError(f"{len(failed)} of {len(todo)} runs failed:\n" + "\n".join(failed))

@@ -208,41 +208,60 @@ def test_a_run_finished_elsewhere_counts_as_done_when_only_its_place_differs(tmp
     assert not _done(cfg)
 
 
-def test_runs_out_of_memory_beside_others_are_retried_alone_and_other_failures_reported(tmp_path, monkeypatch):
-    # runs sharing a GPU can run out of memory at start; the runner tries those again one by one
-    # after the pool, and still reports a run that fails for another reason (or fails again)
-    from types import SimpleNamespace
+def test_runs_out_of_memory_beside_others_are_retried_with_fewer_at_once(tmp_path, monkeypatch):
+    # runs sharing a GPU can run out of memory at start; the runner tries those again in rounds of
+    # half as many at once, down to one; other failures, a dead worker's included, are reported
+    from concurrent.futures import Future
+    from concurrent.futures.process import BrokenProcessPool
 
     from fp4lab.studies import study as study_module
+    pools, calls = [], []
 
-    class InProcessPool:  # the pool's contract, without processes (monkeypatching does not cross spawn)
-        def __init__(self, n, maxtasksperchild=None):
-            assert maxtasksperchild == 1  # each run's process exits and hands back its GPU memory
+    class InlineExecutor:  # ProcessPoolExecutor's contract, run inline (monkeypatching does not cross spawn)
+        def __init__(self, workers, mp_context=None, max_tasks_per_child=None):
+            assert max_tasks_per_child == 1  # each run's process exits and hands back its GPU memory
+            pools.append(workers)
         def __enter__(self):
             return self
         def __exit__(self, *exc):
             return False
-        def imap_unordered(self, fn, items):
-            return map(fn, items)
-
-    context = SimpleNamespace(Pool=InProcessPool)
-    monkeypatch.setattr(study_module, "multiprocessing", SimpleNamespace(get_context=lambda kind: context))
-    calls = []
+        def submit(self, fn, cfg):
+            future = Future()
+            if cfg.out.endswith("mxfp4_hadamard-seed0"):
+                future.set_exception(BrokenProcessPool("a worker died"))
+            else:
+                future.set_result(fn(cfg))
+            return future
 
     def fake_run(cfg):
-        calls.append(cfg.out)
-        first = calls.count(cfg.out) == 1
-        if cfg.out.endswith("mxfp4-seed0") and first:
+        calls.append((cfg.out, len(pools)))
+        if cfg.out.endswith(("mxfp4-seed0", "nvfp4_plain-seed0")) and len(pools) == 1:
             return f"{cfg.out}: FAILED (OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB)"
-        if cfg.out.endswith("nvfp4-seed0"):
+        if cfg.out.endswith("/nvfp4-seed0"):
             return f"{cfg.out}: FAILED (ValueError: bad data)"
         return f"{cfg.out}: ok, final val 1.0"
+    monkeypatch.setattr(study_module, "ProcessPoolExecutor", InlineExecutor)
     monkeypatch.setattr(study_module, "_run_one", fake_run)
-    with pytest.raises(RuntimeError, match=r"1 of 5 runs failed:\n.*nvfp4-seed0: FAILED \(ValueError"):
-        run_study(STUDIES["fidelity"], SCALES["smoke"], tmp_path, jobs=3)
-    retried = [c for c in calls if c.endswith("mxfp4-seed0")]
-    assert len(retried) == 2 and calls[-1] == retried[-1]  # tried again after every other run
-    assert [c for c in calls if c.endswith("nvfp4-seed0")] == [str(tmp_path / "nvfp4-seed0")]  # not retried
+    with pytest.raises(RuntimeError, match="2 of 5 runs failed") as failure:
+        run_study(STUDIES["fidelity"], SCALES["smoke"], tmp_path, jobs=4)
+    assert "nvfp4-seed0: FAILED (ValueError" in str(failure.value)
+    assert "mxfp4_hadamard-seed0: FAILED (BrokenProcessPool" in str(failure.value)
+    assert pools == [4, 2]  # the two crowded runs: a second round, half as many at once
+    retried = sorted(out.rsplit("/", 1)[1] for out, pool in calls if pool == 2)
+    assert retried == ["mxfp4-seed0", "nvfp4_plain-seed0"]
+    assert [out for out, _ in calls].count(str(tmp_path / "nvfp4-seed0")) == 1  # not retried
+
+
+def test_a_run_whose_resume_fails_is_reported_not_raised(tmp_path, monkeypatch):
+    from fp4lab.studies import study as study_module
+    cfg = arm_configs(STUDIES["fidelity"], SCALES["smoke"], tmp_path)[0]
+    (tmp_path / "bf16-seed0" / "checkpoint").mkdir(parents=True)
+
+    def fails(cfg, **kw):
+        raise RuntimeError("CUDA error: out of memory")
+    monkeypatch.setattr(study_module, "train", fails)
+    line = study_module._run_one(cfg)
+    assert line.endswith("FAILED (RuntimeError: CUDA error: out of memory)") and study_module._out_of_memory(line)
 
 
 def test_gap_closers_verdict_and_the_goal_line():
