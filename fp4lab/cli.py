@@ -86,7 +86,7 @@ def _study(args: argparse.Namespace) -> int:
         arms = tuple(args.arms) if args.arms else None
         try:
             run_study(study, catalog.scale(args.scale), out, seeds=seeds, arms=arms, jobs=args.jobs,
-                      **_settings(args.set))
+                      replace=args.replace, **_settings(args.set))
         except RuntimeError as err:  # some runs failed: report what finished, then fail
             print(err, file=sys.stderr)
             write_report(study, out)
@@ -334,6 +334,8 @@ def _add_study(sub, name: str, help: str) -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="change a training setting of every run, e.g. steps=100")
     p.add_argument("--report-only", action="store_true", help="rebuild report.md and plots from the receipts")
+    p.add_argument("--replace", action="store_true",
+                   help="rerun finished runs of other settings in --out over them (refused otherwise)")
     p.add_argument("--out", type=Path, default=None, help="output folder (default results/<name>)")
     p.add_argument("--mx-mode", choices=["floor", "ceil", "even", "rceil"], default="rceil",
                    help="MXFP4 encoder of the conversion study's inputs")

@@ -15,8 +15,9 @@ otherwise (including a single seed); "not run" while arms are missing.
 ``run_study(study, scale, out)`` trains every (arm, seed) into ``out/<arm>-seed<k>``: a run whose
 receipt already exists with the same configuration is kept, a run stopped part-way resumes
 from its checkpoint, so an interrupted study continues where it stopped and can be spread
-over several sessions; ``jobs`` runs at a time in subprocesses (small models leave a GPU mostly
-idle). ``write_report(study, out)`` rebuilds, from the receipts alone, report.md (the verdict,
+over several sessions; a finished run of other settings is refused unless ``replace`` (another
+scale's results are not overwritten by mistake); ``jobs`` runs at a time in subprocesses
+(small models leave a GPU mostly idle). ``write_report(study, out)`` rebuilds, from the receipts alone, report.md (the verdict,
 the arms with their paired gaps, the extra comparisons, every run), headline.json and the plots.
 
 Public: ``Arm``, ``Scale``, ``Study``, ``StudyRuns``, ``Verdict``, ``arm_configs``, ``run_study``,
@@ -212,12 +213,34 @@ def _same_config(receipt: Receipt, cfg: TrainConfig) -> bool:
     return json.loads(json.dumps(ran)) == json.loads(json.dumps(cfg.identity()))
 
 
-def _done(cfg: TrainConfig) -> bool:
+def _finished(cfg: TrainConfig) -> Receipt | None:
+    """The finished run (ok or diverged) in cfg.out, whatever its settings; None if there is none."""
     path = Path(cfg.out) / "receipt.json"
     if not path.is_file():
-        return False
+        return None
     receipt = Receipt.load(path)
-    return receipt.status in ("ok", "diverged") and _same_config(receipt, cfg)
+    return receipt if receipt.status in ("ok", "diverged") else None
+
+
+def _done(cfg: TrainConfig) -> bool:
+    receipt = _finished(cfg)
+    return receipt is not None and _same_config(receipt, cfg)
+
+
+def _refuse_replacing(todo: list[TrainConfig]) -> None:
+    """A finished run of other settings where a run is to go (another scale's, a committed result)
+    is not overwritten unless asked: a clear error naming the first difference, nothing lost."""
+    for cfg in todo:
+        receipt = _finished(cfg)
+        if receipt is None:
+            continue
+        ran = json.loads(json.dumps(config_identity({**TrainConfig().to_dict(), **receipt.config})))
+        wanted = json.loads(json.dumps(cfg.identity()))
+        diff = next((k for k in sorted(set(ran) | set(wanted)) if ran.get(k) != wanted.get(k)), "?")
+        others = sum(_finished(c) is not None for c in todo)
+        raise ValueError(f"{cfg.out} holds a finished run of other settings ({diff} {ran.get(diff)!r}, "
+                         f"wanted {wanted.get(diff)!r}; {others} such runs in all): pass another --out, "
+                         "or --replace to rerun them over it")
 
 
 def _run_one(cfg: TrainConfig) -> str:
@@ -269,12 +292,16 @@ def _run_pooled(todo: list[TrainConfig], jobs: int, done: Callable[[str], None],
 
 
 def run_study(study: Study, scale: Scale, out: Path, *, seeds: tuple[int, ...] | None = None,
-              arms: tuple[str, ...] | None = None, jobs: int = 1, **changes: Any) -> list[TrainConfig]:
+              arms: tuple[str, ...] | None = None, jobs: int = 1, replace: bool = False,
+              **changes: Any) -> list[TrainConfig]:
     """Train every missing (arm, seed) run -> the configs asked for. A run that fails is reported
     (a FAILED line) and the others go on; runs that ran out of memory beside others get further
-    rounds with half as many at once; raises RuntimeError at the end naming the failures."""
+    rounds with half as many at once; raises RuntimeError at the end naming the failures.
+    A finished run of other settings in a run's folder is refused (ValueError) unless ``replace``."""
     configs = arm_configs(study, scale, out, seeds=seeds, arms=arms, **changes)
     todo = [c for c in configs if not _done(c)]
+    if not replace:
+        _refuse_replacing(todo)
     for source, vocab, max_bytes in {(c.data, c.vocab_size, c.data_max_bytes) for c in todo if c.data in CORPORA}:
         default_dataset(source, vocab_size=vocab, max_bytes=max_bytes)  # built once, before any worker starts
     bar = tqdm(total=len(configs), initial=len(configs) - len(todo), desc=study.name, unit="run")

@@ -42,13 +42,18 @@ def test_every_study_runs_at_smoke_scale_and_reports(name, tmp_path):
     assert study.claim in text and all(f"| {a.name} |" in text for a in study.arms)
 
 
-def test_a_finished_run_is_kept_and_a_changed_one_rerun(tmp_path):
+def test_a_finished_run_is_kept_and_a_changed_one_refused_unless_replaced(tmp_path):
     study = STUDIES["formats"]
     run_study(study, SCALES["smoke"], tmp_path)
     stamp = {p: p.stat().st_mtime_ns for p in tmp_path.glob("*/receipt.json")}
     run_study(study, SCALES["smoke"], tmp_path)  # nothing to do
     assert {p: p.stat().st_mtime_ns for p in tmp_path.glob("*/receipt.json")} == stamp
-    configs = run_study(study, SCALES["smoke"], tmp_path, steps=5, eval_every=5)  # another budget: rerun
+    # another budget where finished runs lie (e.g. another scale's committed results): refused, untouched
+    with pytest.raises(ValueError, match=r"bf16-seed0 holds a finished run of other settings \(eval_every 5, "
+                                         r"wanted 4; \d+ such runs in all\).*--replace"):
+        run_study(study, SCALES["smoke"], tmp_path, steps=5, eval_every=4)
+    assert {p: p.stat().st_mtime_ns for p in tmp_path.glob("*/receipt.json")} == stamp
+    configs = run_study(study, SCALES["smoke"], tmp_path, steps=5, eval_every=5, replace=True)  # asked: rerun
     assert all(json.loads((tmp_path / f"{a.name}-seed0" / "receipt.json").read_text())["final"]["steps"] == 5
                for a in study.arms)
     assert [c.steps for c in configs] == [5] * len(study.arms)
