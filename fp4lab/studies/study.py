@@ -206,11 +206,17 @@ def arm_configs(study: Study, scale: Scale, out: Path, *, seeds: tuple[int, ...]
     return configs
 
 
-def _same_config(receipt: Receipt, cfg: TrainConfig) -> bool:
+def _identities(receipt: Receipt, cfg: TrainConfig) -> tuple[dict, dict]:
+    """(the settings the run was made with, the settings cfg asks for), comparable as JSON."""
     # a field added to TrainConfig after the run was made reads as its default; where a run was
     # written (and how it was driven) is not part of it, so a study can reuse another's runs
     ran = config_identity({**TrainConfig().to_dict(), **receipt.config})
-    return json.loads(json.dumps(ran)) == json.loads(json.dumps(cfg.identity()))
+    return json.loads(json.dumps(ran)), json.loads(json.dumps(cfg.identity()))
+
+
+def _same_config(receipt: Receipt, cfg: TrainConfig) -> bool:
+    ran, wanted = _identities(receipt, cfg)
+    return ran == wanted
 
 
 def _finished(cfg: TrainConfig) -> Receipt | None:
@@ -227,20 +233,21 @@ def _done(cfg: TrainConfig) -> bool:
     return receipt is not None and _same_config(receipt, cfg)
 
 
-def _refuse_replacing(todo: list[TrainConfig]) -> None:
-    """A finished run of other settings where a run is to go (another scale's, a committed result)
-    is not overwritten unless asked: a clear error naming the first difference, nothing lost."""
-    for cfg in todo:
-        receipt = _finished(cfg)
-        if receipt is None:
-            continue
-        ran = json.loads(json.dumps(config_identity({**TrainConfig().to_dict(), **receipt.config})))
-        wanted = json.loads(json.dumps(cfg.identity()))
-        diff = next((k for k in sorted(set(ran) | set(wanted)) if ran.get(k) != wanted.get(k)), "?")
-        others = sum(_finished(c) is not None for c in todo)
-        raise ValueError(f"{cfg.out} holds a finished run of other settings ({diff} {ran.get(diff)!r}, "
-                         f"wanted {wanted.get(diff)!r}; {others} such runs in all): pass another --out, "
-                         "or --replace to rerun them over it")
+def _refuse_replacing(clashes: list[tuple[TrainConfig, Receipt]]) -> None:
+    """Finished runs of other settings where runs are to go (another scale's, a committed result)
+    are not overwritten unless asked: a clear error naming the first difference, nothing lost."""
+    if not clashes:
+        return
+    cfg, receipt = clashes[0]
+    ran, wanted = _identities(receipt, cfg)
+    diff = next((k for k in sorted(set(ran) | set(wanted)) if ran.get(k) != wanted.get(k)), "?")
+    raise ValueError(f"{cfg.out} holds a finished run of other settings ({diff} {ran.get(diff)!r}, "
+                     f"wanted {wanted.get(diff)!r}; {len(clashes)} such runs in all): pass another --out, "
+                     "or --replace to rerun them over it")
+
+
+def _failed(cfg: TrainConfig, err: BaseException) -> str:
+    return f"{cfg.out}: FAILED ({type(err).__name__}: {err})"
 
 
 def _run_one(cfg: TrainConfig) -> str:
@@ -256,7 +263,7 @@ def _run_one(cfg: TrainConfig) -> str:
                 print(f"{cfg.out}: not resuming ({err}); starting over", flush=True)
         receipt = receipt or train(cfg, overwrite=True)  # a run of another config, or one that failed
     except Exception as err:  # noqa: BLE001
-        return f"{cfg.out}: FAILED ({type(err).__name__}: {err})"
+        return _failed(cfg, err)
     return f"{cfg.out}: {receipt.status}, final val {receipt.final.val_loss}"
 
 
@@ -282,7 +289,7 @@ def _run_pooled(todo: list[TrainConfig], jobs: int, done: Callable[[str], None],
             try:
                 line = future.result()
             except Exception as err:  # noqa: BLE001 -- the worker died (killed, crashed): report, don't hang
-                line = f"{cfg.out}: FAILED ({type(err).__name__}: {err})"
+                line = _failed(cfg, err)
             if _out_of_memory(line):
                 crowded.append(cfg)
                 note(f"{cfg.out}: out of memory beside other runs; tried again with fewer at once")
@@ -299,9 +306,10 @@ def run_study(study: Study, scale: Scale, out: Path, *, seeds: tuple[int, ...] |
     rounds with half as many at once; raises RuntimeError at the end naming the failures.
     A finished run of other settings in a run's folder is refused (ValueError) unless ``replace``."""
     configs = arm_configs(study, scale, out, seeds=seeds, arms=arms, **changes)
-    todo = [c for c in configs if not _done(c)]
+    finished = {c.out: _finished(c) for c in configs}  # each receipt read once
+    todo = [c for c in configs if finished[c.out] is None or not _same_config(finished[c.out], c)]
     if not replace:
-        _refuse_replacing(todo)
+        _refuse_replacing([(c, finished[c.out]) for c in todo if finished[c.out] is not None])
     for source, vocab, max_bytes in {(c.data, c.vocab_size, c.data_max_bytes) for c in todo if c.data in CORPORA}:
         default_dataset(source, vocab_size=vocab, max_bytes=max_bytes)  # built once, before any worker starts
     bar = tqdm(total=len(configs), initial=len(configs) - len(todo), desc=study.name, unit="run")
