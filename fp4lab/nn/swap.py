@@ -5,6 +5,10 @@ Selection, in order (a module is left alone, in BF16, when any rule keeps it):
     2. it sits in transformer block i (a name segment "blocks.<i>" / "layers.<i>" / "h.<i>") with
        i < first or i >= n_blocks - last, where (first, last) = recipe.bf16_blocks(n_blocks):
        keep_first / keep_last, or keep_fraction resolved against the model's depth.
+A recipe that quantizes nothing (``bf16``, with or without gains; a late switch only ever goes
+to BF16) swaps nothing: the BF16 arm is the model as users run it, plain nn.Linear layers and
+experts on torch._grouped_mm with their counts kept on the device (no per-call recipe machinery,
+no host sync at routing), so an FP4 step is timed against the real baseline.
 Embeddings and norms are not linears and attention's softmax is not a GEMM, so they stay in
 high precision by construction. Modules with a ``use_recipe(recipe, name, context)`` method
 (moe.GroupedExperts) are handed the recipe under the same rules. The recipe's gains (any
@@ -75,7 +79,8 @@ def quantize_model(model: nn.Module, recipe: Recipe, *, context: QuantContext | 
     context = context or QuantContext()
     n_blocks = _n_blocks(model)
     bf16_blocks = recipe.bf16_blocks(n_blocks)
-    for name, module in list(model.named_modules()):
+    # a recipe that quantizes nothing swaps nothing: BF16 as users run it (the module doc)
+    for name, module in list(model.named_modules()) if recipe.quantized else []:
         if not name or _kept(name, recipe, bf16_blocks, n_blocks):
             continue
         if hasattr(module, "use_recipe"):

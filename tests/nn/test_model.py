@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fp4lab.nn import GPT, FP4Linear, MoE, MoEConfig, fp4_modules, model_config, quantize_model
+from fp4lab.nn import GPT, FP4Linear, MoE, MoEConfig, QuantContext, fp4_modules, model_config, quantize_model
 from fp4lab.nn.recipe import PRESETS, bf16, nvfp4, preset
 
 
@@ -23,13 +23,33 @@ def _batch(seed=0, b=4, t=32):
 
 
 @pytest.mark.parametrize("name", ["tiny", "moe-tiny"])
-def test_bf16_recipe_model_equals_the_plain_model(name):
+def test_bf16_recipe_swaps_nothing(name):
+    """The BF16 arm is the model as users run it: nn.Linear and experts without a recipe."""
+    plain, model = _model(name), _model(name)
+    context = quantize_model(model, bf16().override({"embed_gain": 2.0}))
+    assert not fp4_modules(model) and model.fp4_context is context
+    assert repr(model).replace("embed_gain", "") == repr(plain).replace("embed_gain", "")
+    assert model.embed_gain == 2.0  # gains still reach the model
+    assert model.fp4_coverage["linears"]["fp4"] == 0
+
+
+@pytest.mark.parametrize("name", ["tiny", "moe-tiny"])
+def test_fp4_body_with_bf16_gemms_equals_the_plain_model(name):
+    """The FP4 layers' three-GEMM body with every GEMM in BF16 (what a late switch to BF16 runs)
+    computes the plain model's losses and gradients bit for bit."""
     plain, quant = _model(name), _model(name)
-    keys = list(quant.state_dict())
-    quantize_model(quant, bf16().override({"keep_bf16": []}))
+    keys, recipe, context = list(quant.state_dict()), bf16(), QuantContext()
+    for n, m in list(quant.named_modules()):  # by hand: quantize_model leaves a BF16 recipe's model alone
+        if hasattr(m, "use_recipe"):
+            m.use_recipe(recipe, n, context)
+            m.grouped_mm = False  # the body's reference path is the per-expert loop
+        elif type(m) is nn.Linear and "router" not in n:
+            parent, _, child = n.rpartition(".")
+            setattr(quant.get_submodule(parent), child, FP4Linear.from_linear(m, recipe, name=n, context=context))
+    for m in plain.modules():
+        if hasattr(m, "grouped_mm"):
+            m.grouped_mm = False
     assert list(quant.state_dict()) == keys
-    assert all(isinstance(m, FP4Linear) for n, m in quant.named_modules()
-               if isinstance(m, nn.Linear) and "router" not in n)
     idx, tgt = _batch()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         la, lb = plain(idx, tgt), quant(idx, tgt)

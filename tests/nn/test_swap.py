@@ -44,8 +44,8 @@ def test_coverage_of_a_plain_model_and_of_a_bf16_recipe():
     assert coverage(plain) == {"blocks": 2, "bf16_first": None, "bf16_last": None,
                                "linears": {"fp4": 0, "bf16": 11}, "fp4_param_fraction": 0.0,
                                "flop_fraction": all_bf16}
-    quantize_model(plain, bf16().override({"keep_bf16": []}))  # every linear an FP4Linear running BF16
-    assert len(fp4_modules(plain)) == 11
+    quantize_model(plain, bf16().override({"keep_bf16": []}))  # swaps nothing: BF16 as users run it
+    assert not fp4_modules(plain)
     assert plain.fp4_coverage == {"blocks": 2, "bf16_first": 0, "bf16_last": 0,
                                   "linears": {"fp4": 0, "bf16": 11}, "fp4_param_fraction": 0.0,
                                   "flop_fraction": all_bf16}
