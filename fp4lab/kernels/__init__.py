@@ -11,7 +11,8 @@ Triton is imported here lazily, so this package imports on a machine without it.
 Operand forms (docs/design.md "Operand forms"): a GEMM operand is quantized to ``BlockValues``
 (exact bf16 code * block scale and the tensor scale: what BF16 tensor cores multiply), written by
 the quantize pass itself on Triton (``quantize_values``) or decoded from the reference's
-FP4Tensor (``to_values``); ``values_mm`` multiplies one pair, ``grouped_values_mm`` one pair per
+FP4Tensor (``to_values``); ``quantize_grouped_values`` quantizes every MoE expert's tensor in one
+launch (``GroupedValues``); ``values_mm`` multiplies one pair, ``grouped_values_mm`` one pair per
 MoE expert in one launch. Both backends compute the same function (formats.emulated_mm's): the
 same exact products, an FP32 accumulation, alpha once.
 
@@ -23,7 +24,8 @@ Speed: benchmarks/README.md; correctness: tests/kernels (bytes equal to fp4lab.f
 
 Public: ``Backend``, ``FAST_QUANTIZERS``, ``quantize_as``, ``quantize_nvfp4``, ``quantize_mxfp4``,
 ``dequantize``, ``fake_quantize``, ``fp4_mm``, ``uses_triton``, ``BlockValues``, ``quantize_values``,
-``to_values``, ``values_mm``, ``grouped_values_mm``, ``grouped_fp4_mm``.
+``to_values``, ``values_mm``, ``GroupedValues``, ``quantize_grouped_values``, ``grouped_values_mm``,
+``grouped_fp4_mm``.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import torch
 
 from .. import formats
 from ..formats.types import Choice, Format, FP4Tensor
-from .operand import BlockValues
+from .operand import BlockValues, GroupedValues
 from .operand import alpha as operand_alpha
 
 
@@ -168,21 +170,59 @@ def _check_values_pair(a: BlockValues, b: BlockValues) -> None:
         raise ValueError(f"GEMM operands must share a format, got {a.format} and {b.format}")
 
 
-def grouped_values_mm(a: list[BlockValues], b: list[BlockValues], *, out_dtype: torch.dtype = torch.float32,
-                      backend: str | Backend | None = None) -> torch.Tensor:
+def quantize_grouped_values(x: torch.Tensor, fmt: str | Format, sizes: list[int], seeds: list[int], *,
+                            backend: str | Backend | None = None, **kwargs) -> GroupedValues:
+    """x: [R, L], groups of ``sizes`` rows back to back (each > 0), one seed each -> every group
+    quantized along L as quantize_values(x_g, fmt, seed=seeds[g], **kwargs) alone would: one
+    Triton launch for all of them (and one grouped amax pass), or a loop on the reference."""
+    spec = formats.spec_of(fmt)
+    if uses_triton(x, backend):
+        from .quantize import grouped_block_values
+        values, scales = grouped_block_values(x, spec.format, list(sizes), list(seeds), **kwargs)
+        return GroupedValues(values, scales, tuple(sizes), spec.format)
+    parts = [BlockValues.of(spec.quantize(xg, axis=1, seed=seed, **kwargs))
+             for xg, seed in zip(x.split(list(sizes)), seeds)]
+    scales = None if parts[0].tensor_scale is None else torch.stack([p.tensor_scale for p in parts])
+    return GroupedValues(torch.cat([p.matrix for p in parts]), scales, tuple(sizes), spec.format)
+
+
+def grouped_values_mm(a: list[BlockValues] | GroupedValues, b: list[BlockValues] | GroupedValues, *,
+                      out_dtype: torch.dtype = torch.float32, backend: str | Backend | None = None) -> torch.Tensor:
     """One C_g = alpha_g * (A_g @ B_g^T) per group (MoE experts: a[g] has m_g rows, every b[g]
     the same N rows and K) -> [sum m_g, N] ``out_dtype``: one Triton launch
-    (kernels.matmul.grouped_scaled_mm), or values_mm per group on the reference."""
-    if len(a) != len(b) or not a:
-        raise ValueError(f"grouped_values_mm takes as many A as B operands (at least one), got {len(a)} and {len(b)}")
-    for va, vb in zip(a, b):
+    (kernels.matmul.grouped_scaled_mm), or values_mm per group on the reference. Groups come as
+    lists of BlockValues or as GroupedValues (no copy to join them)."""
+    a_list, b_list = _groups(a), _groups(b)
+    if len(a_list) != len(b_list) or not a_list:
+        raise ValueError(f"grouped_values_mm takes as many A as B operands (at least one), got {len(a_list)} "
+                         f"and {len(b_list)}")
+    for va, vb in zip(a_list, b_list):
         _check_values_pair(va, vb)
-    if uses_triton(a[0].values, backend) and out_dtype in (torch.float32, torch.bfloat16):
+    if uses_triton(a_list[0].values, backend) and out_dtype in (torch.float32, torch.bfloat16):
         from .matmul import grouped_scaled_mm
-        alpha = torch.stack([operand_alpha(va, vb) for va, vb in zip(a, b)])
-        return grouped_scaled_mm(torch.cat([v.matrix for v in a]), torch.stack([v.matrix for v in b]),
-                                 [va.rows for va in a], alpha, out_dtype=out_dtype)
-    return torch.cat([values_mm(va, vb, out_dtype=out_dtype, backend=Backend.REFERENCE) for va, vb in zip(a, b)])
+        a_rows = a.values if isinstance(a, GroupedValues) else torch.cat([v.matrix for v in a_list])
+        if isinstance(b, GroupedValues) and len(set(b.sizes)) == 1:
+            b_stack = b.values.view(len(b.sizes), b.sizes[0], b.values.shape[1])
+        else:
+            b_stack = torch.stack([v.matrix for v in b_list])
+        return grouped_scaled_mm(a_rows, b_stack, [va.rows for va in a_list], _alphas(a, b, a_list, b_list),
+                                 out_dtype=out_dtype)
+    return torch.cat([values_mm(va, vb, out_dtype=out_dtype, backend=Backend.REFERENCE)
+                      for va, vb in zip(a_list, b_list)])
+
+
+def _groups(ops: list[BlockValues] | GroupedValues) -> list[BlockValues]:
+    return ops.groups() if isinstance(ops, GroupedValues) else list(ops)
+
+
+def _alphas(a, b, a_list: list[BlockValues], b_list: list[BlockValues]) -> torch.Tensor:
+    """[G] fp32 S_dec_A,g * S_dec_B,g (operand.alpha per group): one multiply where both sides
+    hold their scales as one tensor."""
+    if isinstance(a, GroupedValues) and isinstance(b, GroupedValues) and a.format is b.format:
+        if a.tensor_scales is None or b.tensor_scales is None:
+            return torch.ones(len(a_list), dtype=torch.float32, device=a.values.device)
+        return a.tensor_scales * b.tensor_scales
+    return torch.stack([operand_alpha(va, vb) for va, vb in zip(a_list, b_list)])
 
 
 def grouped_fp4_mm(qa, qb, *, out_dtype: torch.dtype = torch.bfloat16,

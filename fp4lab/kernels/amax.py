@@ -5,7 +5,10 @@ programs fold their result in, with an atomic max on the fp32 bit pattern: non-n
 order like their int32 bits, and max is order-independent, so the result is deterministic and
 exactly the reference's.
 
-Public: ``finite_amax``.
+``grouped_finite_amax`` gives one amax per group of rows (MoE experts' tensors back to back):
+each program reduces its tile's rows and folds each row into its group's slot.
+
+Public: ``finite_amax``, ``grouped_finite_amax``.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ import triton
 import triton.language as tl
 
 from .elements import widen
+
+GROUPED_TILE = (32, 128)  # (rows, columns) per program of the grouped pass
 
 
 @triton.jit
@@ -41,3 +46,34 @@ def finite_amax(x: torch.Tensor) -> torch.Tensor:
         _finite_amax_kernel[(triton.cdiv(flat.numel(), chunk),)](flat.view(torch.int16) if bf16 else flat, out,
                                                                  flat.numel(), chunk, BF16_BITS=bf16, BLOCK=block)
     return out.view(torch.float32).reshape(())
+
+
+@triton.jit
+def _grouped_amax_kernel(x_ptr, out_ptr, start_ptr, n_groups, R, L, BF16_BITS: tl.constexpr, BR: tl.constexpr,
+                         BC: tl.constexpr):
+    rows = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
+    acc = tl.zeros((BR,), dtype=tl.int32)
+    for c in tl.range(0, L, BC):
+        cols = c + tl.arange(0, BC)
+        x = widen(tl.load(x_ptr + rows[:, None] * L + cols[None, :], mask=(rows[:, None] < R) & (cols[None, :] < L),
+                          other=0), BF16_BITS)
+        bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+        acc = tl.maximum(acc, tl.max(tl.where(bits < 0x7F800000, bits, 0), axis=1))
+    group = tl.zeros((BR,), dtype=tl.int32)
+    for g in range(1, n_groups):
+        group += (rows >= tl.load(start_ptr + g)).to(tl.int32)
+    tl.atomic_max(out_ptr + group, acc, mask=rows < R)
+
+
+def grouped_finite_amax(x: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+    """x: [R, L] float, starts: [G] int64 first row of each group (ascending, on x's device) ->
+    [G] float32: max |x| over each group's finite elements (0 for none, or an empty group)."""
+    x = x.contiguous()
+    out = torch.zeros(starts.numel(), dtype=torch.int32, device=x.device)
+    if x.numel():
+        br, bc = GROUPED_TILE
+        bf16 = x.dtype == torch.bfloat16
+        _grouped_amax_kernel[(triton.cdiv(x.shape[0], br),)](x.view(torch.int16) if bf16 else x, out, starts,
+                                                            starts.numel(), x.shape[0], x.shape[1],
+                                                            BF16_BITS=bf16, BR=br, BC=bc)
+    return out.view(torch.float32)

@@ -12,12 +12,17 @@ packed codes and reading them back.
     rows          how many of the R rows hold data
     format        the block format the values came from
 
-Public: ``BlockValues``.
+``GroupedValues`` holds the operands of a grouped GEMM's groups (MoE experts) as one tensor,
+their rows back to back, with one tensor scale per group: what one quantize launch writes for
+all of them (``groups()`` gives each as BlockValues, views of the same memory).
+
+Public: ``BlockValues``, ``GroupedValues``.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -56,6 +61,25 @@ class BlockValues(NamedTuple):
         tiled tensor read along its other axis has the same tiles and tensor scale, so these are
         exactly its block values (what quantizing along the other axis would give)."""
         return BlockValues(self.values.T, self.tensor_scale, rows, self.format)
+
+
+@dataclass(frozen=True)
+class GroupedValues:
+    values: torch.Tensor
+    """[sum(sizes), Lp] bf16: group g's block values in rows sizes[:g].sum() onwards."""
+    tensor_scales: torch.Tensor | None
+    """[G] fp32 S_dec per group (NVFP4), else None."""
+    sizes: tuple[int, ...]
+    format: Format
+
+    def groups(self) -> list[BlockValues]:
+        """Each group's operand (views, no copy)."""
+        out, start = [], 0
+        for g, rows in enumerate(self.sizes):
+            scale = None if self.tensor_scales is None else self.tensor_scales[g]
+            out.append(BlockValues(self.values[start: start + rows], scale, rows, self.format))
+            start += rows
+        return out
 
 
 def alpha(a: BlockValues, b: BlockValues) -> torch.Tensor:

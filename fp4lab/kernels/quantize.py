@@ -14,8 +14,15 @@ A CUDA tensor ``global_amax`` is trusted (checking it would sync); a float is ch
 
 Bytes per element for NVFP4 with bf16 input: 2 read + 0.5 codes + 1/16 scale = 2.5625.
 
-Public: ``quantize_nvfp4``, ``quantize_mxfp4`` (same signatures as fp4lab.formats), and
-``nvfp4_block_values``, ``mxfp4_block_values`` (the same quantize written as exact bf16 block values).
+Groups (``grouped_block_values``): the tensors of an MoE projection's experts, rows back to back,
+quantized along their rows in one launch (after one grouped amax pass): each row looks up its
+group (from the groups' first rows) for that group's amax, S_dec and seed, and counts its
+stochastic-rounding Philox groups from its row within the group, so every group's bytes are
+what quantizing it alone gives.
+
+Public: ``quantize_nvfp4``, ``quantize_mxfp4`` (same signatures as fp4lab.formats),
+``nvfp4_block_values``, ``mxfp4_block_values`` (the same quantize written as exact bf16 block
+values), and ``grouped_block_values``.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from ..formats.hadamard import TE_SIGNS, HadamardSigns
 from ..formats.mxfp4 import MX_BLOCK
 from ..formats.nvfp4 import _check_amax, _nvfp4_block, nvfp4_tensor_terms
 from ..formats.types import Format, FP4Tensor, MXScaleMode, NVFP4Profile, Rounding
-from .amax import finite_amax
+from .amax import finite_amax, grouped_finite_amax
 from .operand import BlockValues
 from .elements import (e2m1_rtne, e2m1_stochastic, e2m1_value, e4m3_rtne, e4m3_value, pack_nibble_pairs,
                        philox_bytes, round_to_bf16, scale_value, to_bf16_rtne, widen)
@@ -256,14 +263,32 @@ def _mx_exponent(bamax, RULE: tl.constexpr):
 
 
 @triton.jit
+def _group_of(rows, start_ptr, n_groups):
+    """rows: [BR] int64 -> [BR] int32, the group each row falls in (groups start at start_ptr[g],
+    ascending; a linear scan: MoE has tens of experts, and the starts stay in cache)."""
+    group = tl.zeros(rows.shape, dtype=tl.int32)
+    for g in range(1, n_groups):
+        group += (rows >= tl.load(start_ptr + g)).to(tl.int32)
+    return group
+
+
+@triton.jit
 def _fp4_quantize_kernel(x_ptr, codes_ptr, scales_ptr, amax_ptr, s_dec_ptr, seed, hadamard_seed,
+                         start_ptr, seeds_ptr, n_groups,
                          R, L, R_OUT, LP, stride_r, stride_c,
                          SCALE_RULE: tl.constexpr, BLOCK: tl.constexpr, TILE_ROWS: tl.constexpr,
                          STOCHASTIC: tl.constexpr, BF16_BITS: tl.constexpr, HADAMARD: tl.constexpr,
                          AMAX_ONLY: tl.constexpr, OUT_VALUES: tl.constexpr, TRANSPOSED: tl.constexpr,
-                         BR: tl.constexpr, BC: tl.constexpr):
+                         GROUPED: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
     NB: tl.constexpr = BC // BLOCK
     rows = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
+    if GROUPED:  # rows are groups' tensors back to back, each with its own amax, S_dec and seed
+        group = _group_of(rows, start_ptr, n_groups)
+        local = rows - tl.load(start_ptr + group)  # the row within its group: what its Philox counts
+        amax_at = amax_ptr + group
+        seed_of = tl.load(seeds_ptr + group)[:, None]
+    else:
+        local, amax_at, seed_of = rows, amax_ptr, seed
     cols = (tl.program_id(1) * BC + tl.arange(0, BC)).to(tl.int64)
     if TRANSPOSED:  # rows are contiguous in memory: load the tile the way memory runs, flip in registers
         inside_t = (cols[:, None] < L) & (rows[None, :] < R)
@@ -291,9 +316,16 @@ def _fp4_quantize_kernel(x_ptr, codes_ptr, scales_ptr, amax_ptr, s_dec_ptr, seed
 
     NVFP4: tl.constexpr = SCALE_RULE < MX_FLOOR  # the NVFP4 profiles come first
     if NVFP4:
-        s_dec, mult = _tensor_terms(tl.load(amax_ptr).to(tl.float32, bitcast=True), SCALE_RULE)
-        if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
-            tl.store(s_dec_ptr, s_dec)
+        if GROUPED:  # [BR, 1]: each row's group's terms
+            s_dec, mult = _tensor_terms(tl.load(amax_at).to(tl.float32, bitcast=True)[:, None], SCALE_RULE)
+            if tl.program_id(1) == 0:  # every row of a group writes the same S_dec
+                tl.store(s_dec_ptr + group, tl.reshape(s_dec, (BR,)), mask=rows < R)
+            s_dec_e = s_dec[:, :, None]  # against [BR, NB, BLOCK]
+        else:
+            s_dec, mult = _tensor_terms(tl.load(amax_ptr).to(tl.float32, bitcast=True), SCALE_RULE)
+            if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+                tl.store(s_dec_ptr, s_dec)
+            s_dec_e = s_dec
     if SCALE_RULE == NV_TE:  # NVFP4 te: s_b = e4m3(min(amax_b * (S_enc/6), 448)), e_b = 1/(s_b S_dec)
         sbyte, e_b = _te_candidate(bamax, mult, s_dec)
         nan_byte = 0x7F
@@ -301,8 +333,8 @@ def _fp4_quantize_kernel(x_ptr, codes_ptr, scales_ptr, amax_ptr, s_dec_ptr, seed
         mag = tl.abs(x)
         s6, e6 = _te_candidate(bamax, mult * 0.1666666716337204, s_dec)  # fp32(1/6)
         s4, e4 = _te_candidate(bamax, mult * 0.25, s_dec)
-        err6 = _block_error(_squared_error(mag, s6, e6, s_dec), TILE_ROWS, BR, NB, BLOCK)
-        err4 = _block_error(_squared_error(mag, s4, e4, s_dec), TILE_ROWS, BR, NB, BLOCK)
+        err6 = _block_error(_squared_error(mag, s6, e6, s_dec_e), TILE_ROWS, BR, NB, BLOCK)
+        err4 = _block_error(_squared_error(mag, s4, e4, s_dec_e), TILE_ROWS, BR, NB, BLOCK)
         four = err4 < err6
         sbyte, e_b = tl.where(four, s4, s6), tl.where(four, e4, e6)
         nan_byte = 0x7F
@@ -320,8 +352,8 @@ def _fp4_quantize_kernel(x_ptr, codes_ptr, scales_ptr, amax_ptr, s_dec_ptr, seed
     vbits = v.to(tl.int32, bitcast=True)
     mag = (vbits & 0x7FFFFFFF).to(tl.float32, bitcast=True)
     if STOCHASTIC:  # group g = row * LP/16 + col/16: rng.random_bytes over the stored layout
-        groups = rows[:, None] * (LP // 16) + (tl.program_id(1) * (BC // 16) + tl.arange(0, BC // 16))[None, :]
-        rand = tl.reshape(philox_bytes(seed, groups), (BR, NB, BLOCK))
+        groups = local[:, None] * (LP // 16) + (tl.program_id(1) * (BC // 16) + tl.arange(0, BC // 16))[None, :]
+        rand = tl.reshape(philox_bytes(seed_of, groups), (BR, NB, BLOCK))
         code = e2m1_stochastic(mag, rand)
     else:
         code = e2m1_rtne(mag)
@@ -359,7 +391,8 @@ def _strided_2d(x: torch.Tensor, axis: int) -> tuple[torch.Tensor, int, int, int
 def _launch(x: torch.Tensor, axis: int, block: tuple[int, int], pad: bool, rule: int,
             amax: torch.Tensor | None, s_dec: torch.Tensor | None, stochastic: bool, seed: int,
             hadamard: int = NO_ROTATION.value, hadamard_seed: int = 0, amax_only: bool = False,
-            out_values: bool = False) -> tuple[torch.Tensor, torch.Tensor, int]:
+            out_values: bool = False, grouped: tuple[torch.Tensor, torch.Tensor, int] | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor, int]:
     axis, pads = check_input(x, axis, block, pad)
     src, rows, length, stride_r, stride_c = _strided_2d(x, axis)
     lp, rows_out = length + pads[0], rows + pads[1]
@@ -383,12 +416,13 @@ def _launch(x: torch.Tensor, axis: int, block: tuple[int, int], pad: bool, rule:
         bf16 = src.dtype == torch.bfloat16
         _fp4_quantize_kernel[grid](src.view(torch.int16) if bf16 else src, codes, scales,
                                    codes if amax is None else amax, codes if s_dec is None else s_dec, seed,
-                                   hadamard_seed,
+                                   hadamard_seed, *(grouped or (codes, codes, 1)),
                                    rows, length, rows_out, lp, stride_r, stride_c,
                                    SCALE_RULE=rule, BLOCK=block[1], TILE_ROWS=block[0],
                                    STOCHASTIC=stochastic, BF16_BITS=bf16, HADAMARD=hadamard,
                                    AMAX_ONLY=amax_only, OUT_VALUES=out_values, TRANSPOSED=transposed,
-                                   BR=br, BC=bc, num_warps=warps, enable_fp_fusion=False)
+                                   GROUPED=grouped is not None, BR=br, BC=bc, num_warps=warps,
+                                   enable_fp_fusion=False)
     return codes, scales, axis
 
 
@@ -509,6 +543,39 @@ def _fused_rotation(x: torch.Tensor, axis: int, size: int, hadamard: str | Hadam
                    "is a multiple of the rotation size; this call runs the (slower) reference")
         return None
     return HADAMARD_RULES[signs], (_kernel_seed(hadamard_seed) if signs is HadamardSigns.RANDOM else 0)
+
+
+def grouped_block_values(x: torch.Tensor, fmt: Format, sizes: list[int], seeds: list[int], *,
+                         block: int | tuple[int, int] = 16, rounding: str | Rounding = Rounding.RTNE,
+                         profile: str | NVFP4Profile = NVFP4Profile.TE, mode: str | MXScaleMode = MXScaleMode.FLOOR,
+                         pad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x: [R, L] bf16/fp32, groups of ``sizes`` rows back to back (each > 0; a multiple of 16 for
+    16x16 blocks), one seed per group -> (values [R, Lp] bf16, S_dec [G] fp32 or None for MXFP4):
+    group g's rows are block_values of quantizing it alone along L with seed ``seeds[g]``."""
+    rounding = Rounding.parse(rounding)
+    block2 = _nvfp4_block(block) if fmt is Format.NVFP4 else (1, MX_BLOCK)
+    check_input(x, 1, block2, pad)
+    if x.dim() != 2 or len(sizes) != len(seeds) or sum(sizes) != x.shape[0] or min(sizes, default=1) <= 0 or (
+            block2[0] > 1 and any(n % block2[0] for n in sizes)):
+        raise ValueError(f"grouped_block_values: x {tuple(x.shape)} does not split into groups of {list(sizes)} "
+                         f"rows (each > 0{', a multiple of 16' if block2[0] > 1 else ''}), {len(seeds)} seeds")
+    x = x.contiguous()
+    sizes_t = torch.tensor(sizes, dtype=torch.int64)
+    # one copy to the device: the groups' first rows, then their seeds
+    meta = torch.cat([sizes_t.cumsum(0) - sizes_t,
+                      torch.tensor([_seed(rounding, s) for s in seeds], dtype=torch.int64)]).to(x.device)
+    starts, seeds_t = meta[: len(sizes)], meta[len(sizes):]
+    grouped = (starts, seeds_t, len(sizes))
+    stochastic = rounding is Rounding.STOCHASTIC
+    if fmt is Format.NVFP4:
+        amax = grouped_finite_amax(x, starts).view(torch.int32)
+        s_dec = torch.empty(len(sizes), dtype=torch.float32, device=x.device)  # written by the kernel
+        rule = NV_RULES[NVFP4Profile.parse(profile)]
+        values, _, _ = _launch(x, 1, block2, pad, rule, amax, s_dec, stochastic, 0, out_values=True, grouped=grouped)
+        return values.view(torch.bfloat16), s_dec
+    values, _, _ = _launch(x, 1, block2, pad, MX_RULES[MXScaleMode.parse(mode)], None, None, stochastic, 0,
+                           out_values=True, grouped=grouped)
+    return values.view(torch.bfloat16), None
 
 
 def _logical_rows(x: torch.Tensor, axis: int) -> int:

@@ -20,7 +20,9 @@ group, its contraction running over the group's own rows.
 The seam ``_multiply`` takes one operand pair per group: a grouped projection's FP4 pairs go to
 kernels.grouped_values_mm (all experts in one launch on the Triton backend); anything else runs
 quant.run_gemm per pair (kernels.values_mm for two FP4 operands). Groups without rows are skipped
-(their weight gradient is zero).
+(their weight gradient is zero). A grouped operand quantized along its rows with neither
+rotation, dither nor statistics (fprop's x and W, dgrad's dy) is quantized for all experts at
+once (kernels.quantize_grouped_values: one launch, the same bytes as one call per expert).
 
 ``QuantContext`` is the small mutable state a trainer shares with every FP4 layer of a model:
 the step ``tick`` (seeds stochastic rounding, random signs and dither, so a resumed run replays
@@ -44,8 +46,8 @@ import torch.nn.functional as F
 
 from .. import kernels
 from ..formats import Rounding
-from ..kernels import BlockValues
-from .quant import derive_seed, dither, gemm_dtype, quantize_operand, rotation_for, run_gemm
+from ..kernels import BlockValues, GroupedValues
+from .quant import derive_seed, dither, gemm_dtype, operand_knobs, quantize_operand, rotation_for, run_gemm
 from .recipe import BF16_GEMM, GEMMS, Recipe
 
 WGRAD_ROW_MULTIPLE = 32  # lcm of the block sizes (16, 32) and Hadamard sizes (16, 32)
@@ -155,13 +157,34 @@ def _pad_rows(t: torch.Tensor) -> torch.Tensor:
     return F.pad(t, (0, 0, 0, extra)) if extra else t
 
 
-def _multiply(a: list, a_axis: int, b: list, b_axis: int, grouped: bool, shape: tuple[int, int],
-              like: torch.Tensor) -> torch.Tensor:
+def _all_at_once(t: torch.Tensor, rows: list[int], calls: list[Call], gemm: str, side: str) -> GroupedValues | None:
+    """Every group's operand ``side`` of ``gemm`` from t's rows (``rows`` each) in one grouped
+    quantize, where that is the same as one Call.operand per group: quantized along the rows,
+    no rotation, dither or statistics (else None: the caller quantizes per group)."""
+    if not rows:
+        return None
+    spec, call = calls[0].recipe.gemm(gemm), calls[0]
+    op = getattr(spec, side)
+    if (not op.quantized or spec.rotated or op.dither or call.stats is not None
+            or (op.block2d and any(n % 16 for n in rows))):
+        return None
+    return kernels.quantize_grouped_values(t, op.format, rows, [c.seed(gemm, side) for c in calls],
+                                           rounding=op.rounding, pad=True, **operand_knobs(op))
+
+
+def _listed(ops: list | GroupedValues) -> list:
+    return ops.groups() if isinstance(ops, GroupedValues) else ops
+
+
+def _multiply(a: list | GroupedValues, a_axis: int, b: list | GroupedValues, b_axis: int, grouped: bool,
+              shape: tuple[int, int], like: torch.Tensor) -> torch.Tensor:
     """The seam: rows of pair g = A_g @ B_g^T, stacked -> ``shape`` in like's dtype."""
-    if not a:
+    if not isinstance(a, GroupedValues) and not a:
         return like.new_zeros(shape)
-    if grouped and all(isinstance(v, BlockValues) for v in a + b):  # all experts in one launch
+    fp4 = all(isinstance(ops, GroupedValues) or all(isinstance(v, BlockValues) for v in ops) for ops in (a, b))
+    if grouped and fp4:  # all experts in one launch
         return kernels.grouped_values_mm(a, b, out_dtype=gemm_dtype(like.dtype)).to(like.dtype)
+    a, b = _listed(a), _listed(b)
     out = [run_gemm(va, a_axis, vb, b_axis, like.dtype) for va, vb in zip(a, b)]
     return out[0] if len(out) == 1 else torch.cat(out)
 
@@ -178,8 +201,12 @@ def gemms_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     # ---- fprop: y = x @ W^T, contraction over K
     w_fprop = None
     if fprop.quantized or fprop.rotated:
-        w_fprop = [calls[g].operand(w, 1, "fprop", "b") for g, w in zip(live, w_src)]
-        a = [calls[g].operand(xg, 1, "fprop", "a") for g, xg in zip(live, xs)]
+        w_rows = weight.reshape(-1, weight.shape[2]) if len(live) == weight.shape[0] and not fprop.b.dither else None
+        w_fprop = (_all_at_once(w_rows, [weight.shape[1]] * len(live), [calls[g] for g in live], "fprop", "b")
+                   if grouped and w_rows is not None else None)
+        w_fprop = w_fprop or [calls[g].operand(w, 1, "fprop", "b") for g, w in zip(live, w_src)]
+        a = grouped and _all_at_once(x, [sizes[g] for g in live], [calls[g] for g in live], "fprop", "a")
+        a = a or [calls[g].operand(xg, 1, "fprop", "a") for g, xg in zip(live, xs)]
         y = _multiply(a, 1, w_fprop, 1, grouped, (x.shape[0], weight.shape[1]), x)
         y = y if bias is None else y + bias
     elif grouped and _bf16_grouped(x, weight, calls):
@@ -192,7 +219,8 @@ def gemms_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     saved = {}
     if keep:
         saved["w_src"] = w_src if fprop.b.dither else None  # dithered copies (else weight[g] itself)
-        saved["w_values"] = w_fprop if w_fprop is not None and calls[0].dgrad_reuses_fprop_weight() else None
+        reuse = w_fprop is not None and calls[0].dgrad_reuses_fprop_weight()
+        saved["w_values"] = (w_fprop.groups() if isinstance(w_fprop, GroupedValues) else w_fprop) if reuse else None
     return y, saved
 
 
@@ -216,7 +244,8 @@ def gemms_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, size
             k = weight.shape[2]
             w_ops = ([v.transposed(k) for v in w_values] if w_values is not None
                      else [calls[g].operand(w, 0, "dgrad", "b") for g, w in zip(live, w_src)])
-            a = [calls[g].operand(dyg, 1, "dgrad", "a") for g, dyg in zip(live, dys)]
+            a = grouped and _all_at_once(dy, rows, [calls[g] for g in live], "dgrad", "a")
+            a = a or [calls[g].operand(dyg, 1, "dgrad", "a") for g, dyg in zip(live, dys)]
             dx = _multiply(a, 1, w_ops, 0, grouped, tuple(x.shape), dy)
         elif offs is not None:  # the kernel takes row- or column-major strides only
             dx = torch._grouped_mm(dy.contiguous(), weight.contiguous(), offs=offs)

@@ -27,7 +27,7 @@ its own stream from the recipe seed, the layer, the step and the GEMM, so runs r
 and nothing draws from torch's global generator.
 
 Public: ``Rotation``, ``derive_seed``, ``rotation_for``, ``quantize_operand``, ``run_gemm``,
-``dither``, ``gemm_dtype``.
+``dither``, ``gemm_dtype``, ``operand_knobs``.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def dither(t: torch.Tensor, op: Operand, seed: int) -> torch.Tensor:
     return (t.to(torch.float32) + op.dither * unit * (u - 0.5)).to(t.dtype)
 
 
-def _knobs(op: Operand, rotation: Rotation | None) -> dict:
+def operand_knobs(op: Operand, rotation: Rotation | None = None) -> dict:
     """The quantizer keywords of op's format (FormatSpec.knobs), from the operand's fields."""
     offered = {"block": (16, 16) if op.block2d else (1, op.format.spec.block_len), "profile": op.profile,
                "mode": op.mx_mode}
@@ -99,7 +99,7 @@ def _knobs(op: Operand, rotation: Rotation | None) -> dict:
 
 def _quantize(t: torch.Tensor, axis: int, op: Operand, *, seed: int, rotation: Rotation | None,
               rtne: bool = False, codes: bool = True) -> FP4Tensor | BlockValues:
-    kwargs = dict(axis=axis, rounding="rtne" if rtne else op.rounding, seed=seed, pad=True, **_knobs(op, rotation))
+    kwargs = dict(axis=axis, rounding="rtne" if rtne else op.rounding, seed=seed, pad=True, **operand_knobs(op, rotation))
     return kernels.quantize_as(t, op.format, **kwargs) if codes else kernels.quantize_values(t, op.format, **kwargs)
 
 

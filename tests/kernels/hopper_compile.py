@@ -53,7 +53,8 @@ class Recorder:
 def exercise() -> None:
     """A covering set of the library's launch configurations, kept small (each compile takes
     seconds): every scale rule with and without stochastic rounding plus a fused rotation, 1x16
-    and 16x16 blocks, block values, a transposed read, fp32 input; decode; the FP4 and scaled GEMMs."""
+    and 16x16 blocks, block values, a transposed read, fp32 input, grouped (MoE) quantizes; decode;
+    the FP4 and scaled GEMMs."""
     from fp4lab.kernels import amax, decode, gemm, matmul, quantize
 
     g = torch.Generator().manual_seed(0)
@@ -71,6 +72,11 @@ def exercise() -> None:
     _try(quantize.mxfp4_block_values, x)
     _try(quantize.quantize_nvfp4, x, axis=0, **full)  # a transposed read
     _try(quantize.quantize_nvfp4, x.float())
+    from fp4lab.formats.types import Format
+    for fmt, knobs in ((Format.NVFP4, dict(profile="te")), (Format.NVFP4, dict(profile="torchao")),
+                       (Format.NVFP4, dict(profile="four_over_six", block=(16, 16))), (Format.MXFP4, dict(mode="floor"))):
+        for rounding in ("rtne", "stochastic"):  # every MoE expert's rows in one launch
+            _try(quantize.grouped_block_values, x, fmt, [16, 48], [1, 2], rounding=rounding, **knobs)
     _try(amax.finite_amax, x)
     _try(_decode_and_gemm, x, decode, gemm)
     a, b = torch.randn(64, 64, generator=g).bfloat16(), torch.randn(64, 64, generator=g).bfloat16()

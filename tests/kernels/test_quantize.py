@@ -203,3 +203,61 @@ def test_uncovered_shapes_fall_back_to_the_reference_with_one_warning():
             assert_same(kernels.quantize_nvfp4(x.to(DEVICE), hadamard="te", backend="triton"),
                         formats.quantize_nvfp4(x, hadamard="te"))
     assert len([w for w in seen if "reference" in str(w.message)]) == 1
+
+
+GROUPED_CASES = [("nvfp4", dict(block=(1, 16), profile="te")), ("nvfp4", dict(block=(1, 16), profile="torchao")),
+                 ("nvfp4", dict(block=(1, 16), profile="four_over_six")), ("nvfp4", dict(block=(16, 16), profile="te")),
+                 ("nvfp4", dict(block=(16, 16), profile="four_over_six")), ("mxfp4", dict(mode="floor")),
+                 ("mxfp4", dict(mode="rceil"))]
+
+
+@settings(max_examples=20, deadline=None)
+@given(case=st.sampled_from(GROUPED_CASES), sizes=st.lists(st.integers(1, 40), min_size=1, max_size=5),
+       length=st.integers(1, 70), seed=st.integers(0, 1000), sr=st.booleans(), bf16=st.booleans())
+def test_grouped_quantize_is_each_group_quantized_alone(case, sizes, length, seed, sr, bf16):
+    """One launch for every group (MoE experts' rows back to back) writes, per group, the bytes of
+    quantizing that group alone with its own seed: its own amax and S_dec, its Philox counted
+    from its first row."""
+    fmt, knobs = case
+    if knobs.get("block", (1, 16))[0] == 16:
+        sizes = [16 * (1 + n % 3) for n in sizes]  # 16x16 tiles must not straddle two groups
+    x = hard_input((sum(sizes), length), seed, torch.bfloat16 if bf16 else torch.float32)
+    seeds = [seed * 31 + g for g in range(len(sizes))]
+    kw = dict(rounding="stochastic" if sr else "rtne", pad=True, **knobs)
+    fast = kernels.quantize_grouped_values(x.to(DEVICE), fmt, sizes, seeds, backend="triton", **kw)
+    assert fast.sizes == tuple(sizes) and (fast.tensor_scales is None) == (fmt == "mxfp4")
+    for g, (got, xg) in enumerate(zip(fast.groups(), x.split(sizes))):
+        alone = kernels.BlockValues.of(formats.spec_of(fmt).quantize(xg, axis=1, seed=seeds[g], **kw))
+        assert_same_values(got, alone)
+
+
+def test_grouped_amax_is_each_groups_amax():
+    from fp4lab.kernels.amax import grouped_finite_amax
+    x = hard_input((90, 48), 3)
+    sizes = [7, 1, 50, 32]
+    starts = torch.tensor([0, 7, 8, 58], device=DEVICE)
+    got = grouped_finite_amax(x.to(DEVICE), starts).cpu()
+    assert torch.equal(got, torch.stack([formats.blocks.finite_amax(xg) for xg in x.split(sizes)]))
+
+
+def test_grouped_quantize_refuses_groups_that_do_not_fit():
+    x = torch.randn(40, 32, device=DEVICE)
+    for sizes, seeds, block in [([20, 10], [1, 2], 16), ([20, 20], [1], 16), ([20, 0, 20], [1, 2, 3], 16),
+                                ([24, 16], [1, 2], (16, 16))]:
+        with pytest.raises(ValueError, match="does not split into groups"):
+            kernels.quantize_grouped_values(x, "nvfp4", sizes, seeds, backend="triton", block=block, pad=True)
+
+
+def test_grouped_values_gemm_equals_the_listed_operands():
+    """grouped_values_mm on GroupedValues (no copy to join them, one alpha multiply) gives the bits
+    it gives on the same operands as lists of BlockValues."""
+    torch.manual_seed(0)
+    sizes, x, w = [5, 19, 8], torch.randn(32, 64, device=DEVICE), torch.randn(3 * 16, 64, device=DEVICE)
+    a = kernels.quantize_grouped_values(x, "nvfp4", sizes, [1, 2, 3], backend="triton", pad=True)
+    b = kernels.quantize_grouped_values(w, "nvfp4", [16] * 3, [4, 5, 6], backend="triton", pad=True,
+                                        block=(16, 16))
+    joined = kernels.grouped_values_mm(a, b, backend="triton")
+    listed = kernels.grouped_values_mm(a.groups(), b.groups(), backend="triton")
+    assert torch.equal(joined, listed)
+    reference = kernels.grouped_values_mm(a, b, backend="reference")
+    torch.testing.assert_close(joined.cpu(), reference.cpu(), rtol=1e-5, atol=1e-5)  # fp32 summation order
