@@ -24,8 +24,8 @@ Speed: benchmarks/README.md; correctness: tests/kernels (bytes equal to fp4lab.f
 
 Public: ``Backend``, ``FAST_QUANTIZERS``, ``quantize_as``, ``quantize_nvfp4``, ``quantize_mxfp4``,
 ``dequantize``, ``fake_quantize``, ``fp4_mm``, ``uses_triton``, ``BlockValues``, ``quantize_values``,
-``to_values``, ``values_mm``, ``GroupedValues``, ``quantize_grouped_values``, ``grouped_values_mm``,
-``grouped_fp4_mm``.
+``to_values``, ``values_mm``, ``GroupedValues``, ``quantize_grouped_values``, ``quantize_grouped_columns``,
+``grouped_values_mm``, ``grouped_fp4_mm``.
 """
 
 from __future__ import annotations
@@ -184,6 +184,31 @@ def quantize_grouped_values(x: torch.Tensor, fmt: str | Format, sizes: list[int]
              for xg, seed in zip(x.split(list(sizes)), seeds)]
     scales = None if parts[0].tensor_scale is None else torch.stack([p.tensor_scale for p in parts])
     return GroupedValues(torch.cat([p.matrix for p in parts]), scales, tuple(sizes), spec.format)
+
+
+def quantize_grouped_columns(x: torch.Tensor, fmt: str | Format, widths: list[int], seeds: list[int], *,
+                             hadamard=None, hadamard_seeds: list[int] | None = None,
+                             backend: str | Backend | None = None, **kwargs) -> list[BlockValues]:
+    """x: [S, K], groups of ``widths`` rows back to back (each a positive multiple of 32) -> one
+    BlockValues [K, width] per group: quantize_values(x_g, fmt, axis=0, seed=seeds[g],
+    hadamard=hadamard, hadamard_seed=hadamard_seeds[g], **kwargs) as alone (wgrad's operands of
+    MoE experts, their tokens padded per expert): two Triton launches for all of them (views of one
+    [K, S] buffer), or a loop on the reference."""
+    spec = formats.spec_of(fmt)
+    h_seeds = hadamard_seeds or [0] * len(widths)
+    if uses_triton(x, backend):
+        from .quantize import grouped_column_block_values
+        values, scales = grouped_column_block_values(x, spec.format, list(widths), list(seeds), hadamard=hadamard,
+                                                     hadamard_seeds=list(h_seeds), **kwargs)
+        out, start = [], 0
+        for g, width in enumerate(widths):
+            out.append(BlockValues(values[:, start: start + width], None if scales is None else scales[g],
+                                   x.shape[1], spec.format))
+            start += width
+        return out
+    rotation = {} if hadamard is None else {"hadamard": hadamard}
+    return [BlockValues.of(spec.quantize(xg, axis=0, seed=seed, pad=False, hadamard_seed=h, **rotation, **kwargs))
+            for xg, seed, h in zip(x.split(list(widths)), seeds, h_seeds)]
 
 
 def grouped_values_mm(a: list[BlockValues] | GroupedValues, b: list[BlockValues] | GroupedValues, *,

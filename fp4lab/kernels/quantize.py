@@ -22,7 +22,8 @@ what quantizing it alone gives.
 
 Public: ``quantize_nvfp4``, ``quantize_mxfp4`` (same signatures as fp4lab.formats),
 ``nvfp4_block_values``, ``mxfp4_block_values`` (the same quantize written as exact bf16 block
-values), and ``grouped_block_values``.
+values), ``grouped_block_values`` and ``grouped_column_block_values`` (wgrad's operands: groups
+along the block axis, each a whole number of column tiles, so a program's group is one scalar).
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ NV_RULES = {NVFP4Profile.TE: NV_TE.value, NVFP4Profile.TORCHAO: NV_TORCHAO.value
             NVFP4Profile.FOUR_OVER_SIX: NV_FOUR_SIX.value}
 MX_RULES = {MXScaleMode.FLOOR: MX_FLOOR.value, MXScaleMode.CEIL: MX_CEIL.value, MXScaleMode.EVEN: MX_EVEN.value,
             MXScaleMode.RCEIL: MX_RCEIL.value}
+# GROUPED: one tensor, or groups' tensors back to back along the rows (fprop / dgrad operands of
+# MoE experts) or along the block axis (wgrad's, each group a whole number of column tiles)
+NO_GROUPS, ROW_GROUPS, COL_GROUPS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 # HADAMARD: no transform, or the block-sized transform (16 or 32 points) with formats.hadamard's sign rule
 NO_ROTATION, SIGNS_NONE, SIGNS_TE, SIGNS_RANDOM = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2), tl.constexpr(3)
 HADAMARD_RULES = {HadamardSigns.NONE: SIGNS_NONE.value, HadamardSigns.TE: SIGNS_TE.value,
@@ -62,6 +66,7 @@ INV_SQRT32 = tl.constexpr(struct.unpack("f", struct.pack("f", 1 / math.sqrt(32))
 # (BR, BC, warps) per read direction (benchmarks/sweep_quantize.py on an H100): rows of a row-major
 # tile, or a transposed read (axis 0 of a contiguous matrix)
 TILES = {"rows": (32, 128, 4), "transposed": (128, 32, 4)}
+COL_GROUP_WIDTH = 32  # column tile of a launch grouped along the block axis: groups are multiples of it
 
 
 @triton.jit
@@ -274,7 +279,7 @@ def _group_of(rows, start_ptr, n_groups):
 
 @triton.jit
 def _fp4_quantize_kernel(x_ptr, codes_ptr, scales_ptr, amax_ptr, s_dec_ptr, seed, hadamard_seed,
-                         start_ptr, seeds_ptr, n_groups,
+                         start_ptr, seeds_ptr, h_seeds_ptr, n_groups,
                          R, L, R_OUT, LP, stride_r, stride_c,
                          SCALE_RULE: tl.constexpr, BLOCK: tl.constexpr, TILE_ROWS: tl.constexpr,
                          STOCHASTIC: tl.constexpr, BF16_BITS: tl.constexpr, HADAMARD: tl.constexpr,
@@ -282,13 +287,23 @@ def _fp4_quantize_kernel(x_ptr, codes_ptr, scales_ptr, amax_ptr, s_dec_ptr, seed
                          GROUPED: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
     NB: tl.constexpr = BC // BLOCK
     rows = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
-    if GROUPED:  # rows are groups' tensors back to back, each with its own amax, S_dec and seed
+    # what Philox counts: group index = local row * lp_of / 16 + column / 16 - col_base
+    col_base = tl.program_id(1) * (BC // 16)
+    if GROUPED == ROW_GROUPS:  # each row's group: its own amax, S_dec and seed
         group = _group_of(rows, start_ptr, n_groups)
-        local = rows - tl.load(start_ptr + group)  # the row within its group: what its Philox counts
-        amax_at = amax_ptr + group
-        seed_of = tl.load(seeds_ptr + group)[:, None]
+        local = rows - tl.load(start_ptr + group)  # the row within its group
+        amax_at, seed_of, h_seed, lp_of = amax_ptr + group, tl.load(seeds_ptr + group)[:, None], hadamard_seed, LP
+    elif GROUPED == COL_GROUPS:  # the program's columns lie in one group (start_ptr holds G + 1 edges)
+        col0 = tl.program_id(1) * BC
+        group = tl.program_id(1) * 0
+        for g in range(1, n_groups):
+            group += (col0 >= tl.load(start_ptr + g)).to(tl.int32)
+        start = tl.load(start_ptr + group)
+        local, amax_at, seed_of = rows, amax_ptr + group, tl.load(seeds_ptr + group)
+        h_seed, lp_of = tl.load(h_seeds_ptr + group), tl.load(start_ptr + group + 1) - start
+        col_base = (col0 - start) // 16
     else:
-        local, amax_at, seed_of = rows, amax_ptr, seed
+        local, amax_at, seed_of, h_seed, lp_of = rows, amax_ptr, seed, hadamard_seed, LP
     cols = (tl.program_id(1) * BC + tl.arange(0, BC)).to(tl.int64)
     if TRANSPOSED:  # rows are contiguous in memory: load the tile the way memory runs, flip in registers
         inside_t = (cols[:, None] < L) & (rows[None, :] < R)
@@ -298,11 +313,11 @@ def _fp4_quantize_kernel(x_ptr, codes_ptr, scales_ptr, amax_ptr, s_dec_ptr, seed
         x = tl.load(x_ptr + rows[:, None] * stride_r + cols[None, :] * stride_c, mask=inside, other=0.0)
     x = tl.reshape(widen(x, BF16_BITS), (BR, NB, BLOCK))
     if HADAMARD != NO_ROTATION:
-        x = _hadamard(x, hadamard_seed, HADAMARD, BF16_BITS, BR, NB, BLOCK)
+        x = _hadamard(x, h_seed, HADAMARD, BF16_BITS, BR, NB, BLOCK)
     if AMAX_ONLY:  # the first pass of a rotated quantize: the rotated tensor's finite amax
         bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
         tile_max = tl.max(tl.max(tl.max(tl.where(bits < 0x7F800000, bits, 0), axis=2), axis=1), axis=0)
-        tl.atomic_max(amax_ptr, tile_max)
+        tl.atomic_max(amax_at, tile_max)  # (never asked of row groups)
         return
 
     # one integer reduction gives both the amax and the verdict: |x| bits order like |x|, and a
@@ -316,14 +331,17 @@ def _fp4_quantize_kernel(x_ptr, codes_ptr, scales_ptr, amax_ptr, s_dec_ptr, seed
 
     NVFP4: tl.constexpr = SCALE_RULE < MX_FLOOR  # the NVFP4 profiles come first
     if NVFP4:
-        if GROUPED:  # [BR, 1]: each row's group's terms
+        if GROUPED == ROW_GROUPS:  # [BR, 1]: each row's group's terms
             s_dec, mult = _tensor_terms(tl.load(amax_at).to(tl.float32, bitcast=True)[:, None], SCALE_RULE)
             if tl.program_id(1) == 0:  # every row of a group writes the same S_dec
                 tl.store(s_dec_ptr + group, tl.reshape(s_dec, (BR,)), mask=rows < R)
             s_dec_e = s_dec[:, :, None]  # against [BR, NB, BLOCK]
         else:
-            s_dec, mult = _tensor_terms(tl.load(amax_ptr).to(tl.float32, bitcast=True), SCALE_RULE)
-            if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+            s_dec, mult = _tensor_terms(tl.load(amax_at).to(tl.float32, bitcast=True), SCALE_RULE)
+            if GROUPED == COL_GROUPS:
+                if tl.program_id(0) == 0:  # every program of a group writes the same S_dec
+                    tl.store(s_dec_ptr + group, s_dec)
+            elif (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
                 tl.store(s_dec_ptr, s_dec)
             s_dec_e = s_dec
     if SCALE_RULE == NV_TE:  # NVFP4 te: s_b = e4m3(min(amax_b * (S_enc/6), 448)), e_b = 1/(s_b S_dec)
@@ -352,7 +370,7 @@ def _fp4_quantize_kernel(x_ptr, codes_ptr, scales_ptr, amax_ptr, s_dec_ptr, seed
     vbits = v.to(tl.int32, bitcast=True)
     mag = (vbits & 0x7FFFFFFF).to(tl.float32, bitcast=True)
     if STOCHASTIC:  # group g = row * LP/16 + col/16: rng.random_bytes over the stored layout
-        groups = local[:, None] * (LP // 16) + (tl.program_id(1) * (BC // 16) + tl.arange(0, BC // 16))[None, :]
+        groups = local[:, None] * (lp_of // 16) + (col_base + tl.arange(0, BC // 16))[None, :]
         rand = tl.reshape(philox_bytes(seed_of, groups), (BR, NB, BLOCK))
         code = e2m1_stochastic(mag, rand)
     else:
@@ -391,8 +409,10 @@ def _strided_2d(x: torch.Tensor, axis: int) -> tuple[torch.Tensor, int, int, int
 def _launch(x: torch.Tensor, axis: int, block: tuple[int, int], pad: bool, rule: int,
             amax: torch.Tensor | None, s_dec: torch.Tensor | None, stochastic: bool, seed: int,
             hadamard: int = NO_ROTATION.value, hadamard_seed: int = 0, amax_only: bool = False,
-            out_values: bool = False, grouped: tuple[torch.Tensor, torch.Tensor, int] | None = None
+            out_values: bool = False, grouped: tuple | None = None, group_mode: int = NO_GROUPS.value
             ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """One quantize launch (grouped: (edges, seeds, hadamard seeds, groups) device tensors and
+    count, group_mode ROW_GROUPS or COL_GROUPS)."""
     axis, pads = check_input(x, axis, block, pad)
     src, rows, length, stride_r, stride_c = _strided_2d(x, axis)
     lp, rows_out = length + pads[0], rows + pads[1]
@@ -412,16 +432,18 @@ def _launch(x: torch.Tensor, axis: int, block: tuple[int, int], pad: bool, rule:
         # a transposed read (axis 0 of a contiguous matrix) loads [BC, BR] tiles along memory
         transposed = stride_r == 1 and stride_c != 1
         br, bc, warps = TILES["transposed" if transposed else "rows"]
+        if group_mode == COL_GROUPS.value:  # a column tile must not straddle two groups
+            bc = COL_GROUP_WIDTH
         grid = (triton.cdiv(rows_out, br), triton.cdiv(lp, bc))
         bf16 = src.dtype == torch.bfloat16
         _fp4_quantize_kernel[grid](src.view(torch.int16) if bf16 else src, codes, scales,
                                    codes if amax is None else amax, codes if s_dec is None else s_dec, seed,
-                                   hadamard_seed, *(grouped or (codes, codes, 1)),
+                                   hadamard_seed, *(grouped or (codes, codes, codes, 1)),
                                    rows, length, rows_out, lp, stride_r, stride_c,
                                    SCALE_RULE=rule, BLOCK=block[1], TILE_ROWS=block[0],
                                    STOCHASTIC=stochastic, BF16_BITS=bf16, HADAMARD=hadamard,
                                    AMAX_ONLY=amax_only, OUT_VALUES=out_values, TRANSPOSED=transposed,
-                                   GROUPED=grouped is not None, BR=br, BC=bc, num_warps=warps,
+                                   GROUPED=group_mode, BR=br, BC=bc, num_warps=warps,
                                    enable_fp_fusion=False)
     return codes, scales, axis
 
@@ -555,7 +577,7 @@ def grouped_block_values(x: torch.Tensor, fmt: Format, sizes: list[int], seeds: 
     rounding = Rounding.parse(rounding)
     block2 = _nvfp4_block(block) if fmt is Format.NVFP4 else (1, MX_BLOCK)
     check_input(x, 1, block2, pad)
-    if x.dim() != 2 or len(sizes) != len(seeds) or sum(sizes) != x.shape[0] or min(sizes, default=1) <= 0 or (
+    if x.dim() != 2 or x.shape[1] == 0 or len(sizes) != len(seeds) or sum(sizes) != x.shape[0] or min(sizes, default=1) <= 0 or (
             block2[0] > 1 and any(n % block2[0] for n in sizes)):
         raise ValueError(f"grouped_block_values: x {tuple(x.shape)} does not split into groups of {list(sizes)} "
                          f"rows (each > 0{', a multiple of 16' if block2[0] > 1 else ''}), {len(seeds)} seeds")
@@ -563,18 +585,64 @@ def grouped_block_values(x: torch.Tensor, fmt: Format, sizes: list[int], seeds: 
     sizes_t = torch.tensor(sizes, dtype=torch.int64)
     # one copy to the device: the groups' first rows, then their seeds
     meta = torch.cat([sizes_t.cumsum(0) - sizes_t,
-                      torch.tensor([_seed(rounding, s) for s in seeds], dtype=torch.int64)]).to(x.device)
+                      torch.tensor([_seed(rounding, s) for s in seeds], dtype=torch.int64)]).to(x.device, non_blocking=True)
     starts, seeds_t = meta[: len(sizes)], meta[len(sizes):]
-    grouped = (starts, seeds_t, len(sizes))
+    grouped = (starts, seeds_t, seeds_t, len(sizes))
     stochastic = rounding is Rounding.STOCHASTIC
     if fmt is Format.NVFP4:
         amax = grouped_finite_amax(x, starts).view(torch.int32)
         s_dec = torch.empty(len(sizes), dtype=torch.float32, device=x.device)  # written by the kernel
         rule = NV_RULES[NVFP4Profile.parse(profile)]
-        values, _, _ = _launch(x, 1, block2, pad, rule, amax, s_dec, stochastic, 0, out_values=True, grouped=grouped)
+        values, _, _ = _launch(x, 1, block2, pad, rule, amax, s_dec, stochastic, 0, out_values=True, grouped=grouped,
+                               group_mode=ROW_GROUPS.value)
         return values.view(torch.bfloat16), s_dec
     values, _, _ = _launch(x, 1, block2, pad, MX_RULES[MXScaleMode.parse(mode)], None, None, stochastic, 0,
-                           out_values=True, grouped=grouped)
+                           out_values=True, grouped=grouped, group_mode=ROW_GROUPS.value)
+    return values.view(torch.bfloat16), None
+
+
+def grouped_column_block_values(x: torch.Tensor, fmt: Format, widths: list[int], seeds: list[int], *,
+                                block: int | tuple[int, int] = 16, rounding: str | Rounding = Rounding.RTNE,
+                                profile: str | NVFP4Profile = NVFP4Profile.TE,
+                                mode: str | MXScaleMode = MXScaleMode.FLOOR, hadamard: str | HadamardSigns | None = None,
+                                hadamard_seeds: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x: [S, K] bf16/fp32, groups of ``widths`` rows back to back (each a positive multiple of
+    32: wgrad's token axis, padded per MoE expert) -> (values [K, S] bf16, S_dec [G] fp32 or None):
+    the columns of group g are block_values of quantizing its rows alone along axis 0 (1x16 or
+    1x32 blocks) with seed ``seeds[g]``, rotated first when asked (``hadamard_seeds[g]`` for
+    random signs). One launch for the amax of every group (NVFP4), one for the values."""
+    rounding = Rounding.parse(rounding)
+    size = 16 if fmt is Format.NVFP4 else MX_BLOCK
+    check_input(x, 0, (1, size), False)
+    signs = None if hadamard is None else HadamardSigns.parse(hadamard)
+    if fmt is Format.NVFP4 and _nvfp4_block(block) != (1, 16):
+        raise ValueError(f"grouped_column_block_values takes 1x16 NVFP4 blocks, got {block}")
+    if (x.dim() != 2 or x.shape[1] == 0 or len(widths) != len(seeds) or sum(widths) != x.shape[0]
+            or any(w <= 0 or w % COL_GROUP_WIDTH for w in widths) or (signs is not None and (
+                x.dtype not in (torch.float32, torch.bfloat16) or (signs is HadamardSigns.TE and size != 16)))):
+        raise ValueError(f"grouped_column_block_values: x {tuple(x.shape)} {x.dtype} does not split into groups "
+                         f"of {list(widths)} rows (each a positive multiple of {COL_GROUP_WIDTH}) with "
+                         f"{len(seeds)} seeds and rotation {hadamard}")
+    x = x.contiguous()
+    widths_t = torch.tensor(widths, dtype=torch.int64)
+    h_seeds = [_kernel_seed(h) if signs is HadamardSigns.RANDOM else 0 for h in (hadamard_seeds or [0] * len(widths))]
+    meta = torch.cat([torch.cat([torch.zeros(1, dtype=torch.int64), widths_t.cumsum(0)]),
+                      torch.tensor([_seed(rounding, s) for s in seeds] + h_seeds, dtype=torch.int64)]
+                     ).to(x.device, non_blocking=True)  # no stream sync, as matmul's tile lists
+    g = len(widths)
+    grouped = (meta[: g + 1], meta[g + 1: 2 * g + 1], meta[2 * g + 1:], g)
+    rotation = NO_ROTATION.value if signs is None else HADAMARD_RULES[signs]
+    stochastic = rounding is Rounding.STOCHASTIC
+    if fmt is Format.NVFP4:
+        amax = torch.zeros(g, dtype=torch.int32, device=x.device)
+        _launch(x, 0, (1, 16), False, NV_TE.value, amax, None, False, 0, rotation, 0, amax_only=True, grouped=grouped,
+                group_mode=COL_GROUPS.value)
+        s_dec = torch.empty(g, dtype=torch.float32, device=x.device)  # written by the kernel
+        values, _, _ = _launch(x, 0, (1, 16), False, NV_RULES[NVFP4Profile.parse(profile)], amax, s_dec, stochastic,
+                               0, rotation, 0, out_values=True, grouped=grouped, group_mode=COL_GROUPS.value)
+        return values.view(torch.bfloat16), s_dec
+    values, _, _ = _launch(x, 0, (1, MX_BLOCK), False, MX_RULES[MXScaleMode.parse(mode)], None, None, stochastic, 0,
+                           rotation, 0, out_values=True, grouped=grouped, group_mode=COL_GROUPS.value)
     return values.view(torch.bfloat16), None
 
 

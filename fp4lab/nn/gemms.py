@@ -20,9 +20,11 @@ group, its contraction running over the group's own rows.
 The seam ``_multiply`` takes one operand pair per group: a grouped projection's FP4 pairs go to
 kernels.grouped_values_mm (all experts in one launch on the Triton backend); anything else runs
 quant.run_gemm per pair (kernels.values_mm for two FP4 operands). Groups without rows are skipped
-(their weight gradient is zero). A grouped operand quantized along its rows with neither
-rotation, dither nor statistics (fprop's x and W, dgrad's dy) is quantized for all experts at
-once (kernels.quantize_grouped_values: one launch, the same bytes as one call per expert).
+(their weight gradient is zero). A grouped projection's operands are quantized for all experts
+at once where that gives the same bytes as one call per expert (no dither or statistics):
+fprop's x and W and dgrad's dy along their rows without rotation
+(kernels.quantize_grouped_values), wgrad's dy and x along their tokens, padded per expert and
+rotated as the recipe says (kernels.quantize_grouped_columns).
 
 ``QuantContext`` is the small mutable state a trainer shares with every FP4 layer of a model:
 the step ``tick`` (seeds stochastic rounding, random signs and dither, so a resumed run replays
@@ -47,7 +49,8 @@ import torch.nn.functional as F
 from .. import kernels
 from ..formats import Rounding
 from ..kernels import BlockValues, GroupedValues
-from .quant import derive_seed, dither, gemm_dtype, operand_knobs, quantize_operand, rotation_for, run_gemm
+from .quant import (Rotation, derive_seed, dither, fuses_rotation, gemm_dtype, operand_knobs, quantize_operand,
+                    rotation_for, run_gemm)
 from .recipe import BF16_GEMM, GEMMS, Recipe
 
 WGRAD_ROW_MULTIPLE = 32  # lcm of the block sizes (16, 32) and Hadamard sizes (16, 32)
@@ -99,12 +102,15 @@ class Call:
     def seed(self, gemm: str, side: str) -> int:
         return derive_seed(self.root, GEMMS.index(gemm), ord(side))
 
+    def rotation(self, gemm: str) -> Rotation | None:
+        """The Hadamard rotation of ``gemm``'s operands at this call (its random signs re-drawn per call)."""
+        return rotation_for(self.recipe.gemm(gemm), self.recipe.seed, derive_seed(self.root, GEMMS.index(gemm), ord("h")))
+
     def operand(self, t: torch.Tensor, axis: int, gemm: str, side: str, *, codes: bool = False):
         """t quantized (and rotated) as ``gemm``'s operand ``side`` says (quant.quantize_operand)."""
-        spec = self.recipe.gemm(gemm)
-        rotation = rotation_for(spec, self.recipe.seed, derive_seed(self.root, GEMMS.index(gemm), ord("h")))
-        return quantize_operand(t, axis, getattr(spec, side), seed=self.seed(gemm, side), rotation=rotation,
-                                stats=self.stats, key=f"{self.name}.{gemm}.{side}", codes=codes)
+        return quantize_operand(t, axis, getattr(self.recipe.gemm(gemm), side), seed=self.seed(gemm, side),
+                                rotation=self.rotation(gemm), stats=self.stats, key=f"{self.name}.{gemm}.{side}",
+                                codes=codes)
 
     def weight_source(self, weight: torch.Tensor) -> torch.Tensor:
         """The weight fprop and dgrad quantize: dithered once per call when the recipe asks."""
@@ -161,7 +167,7 @@ def _all_at_once(t: torch.Tensor, rows: list[int], calls: list[Call], gemm: str,
     """Every group's operand ``side`` of ``gemm`` from t's rows (``rows`` each) in one grouped
     quantize, where that is the same as one Call.operand per group: quantized along the rows,
     no rotation, dither or statistics (else None: the caller quantizes per group)."""
-    if not rows:
+    if not rows or t.shape[1] == 0:
         return None
     spec, call = calls[0].recipe.gemm(gemm), calls[0]
     op = getattr(spec, side)
@@ -170,6 +176,52 @@ def _all_at_once(t: torch.Tensor, rows: list[int], calls: list[Call], gemm: str,
         return None
     return kernels.quantize_grouped_values(t, op.format, rows, [c.seed(gemm, side) for c in calls],
                                            rounding=op.rounding, pad=True, **operand_knobs(op))
+
+
+def _wgrad_all_at_once(dy: torch.Tensor, x: torch.Tensor, rows: list[int], calls: list[Call]
+                       ) -> list[tuple[BlockValues, BlockValues]] | None:
+    """Every group's wgrad operands (dy_g and x_g along their tokens, each padded to a multiple of
+    32 as the per-group path pads them) in one grouped quantize per side, where that is the same
+    as Call.operand per group: both sides FP4 in 1-row blocks, any rotation fused into the
+    quantize, no statistics (else None)."""
+    if not rows or dy.shape[1] == 0 or x.shape[1] == 0:
+        return None
+    spec, call = calls[0].recipe.wgrad, calls[0]
+    rotation = call.rotation("wgrad")
+    fused = dy.dtype in (torch.float32, torch.bfloat16)  # what the grouped Triton quantize rotates
+    if (call.stats is not None or dy.dtype != x.dtype or not all(
+            op.quantized and not op.block2d and not op.dither
+            and (rotation is None or fused and fuses_rotation(op, rotation)) for op in (spec.a, spec.b))):
+        return None
+    widths = [n + (-n % WGRAD_ROW_MULTIPLE) for n in rows]
+    h_seeds = [c.rotation("wgrad").seed for c in calls] if rotation is not None else None
+    sides = []
+    for t, side in ((dy, "a"), (x, "b")):
+        op = getattr(spec, side)
+        sides.append(kernels.quantize_grouped_columns(
+            _pad_groups(t, rows, widths), op.format, widths, [c.seed("wgrad", side) for c in calls],
+            hadamard=None if rotation is None else rotation.signs, hadamard_seeds=h_seeds, rounding=op.rounding,
+            **operand_knobs(op)))
+    return list(zip(*sides))
+
+
+def _pad_groups(t: torch.Tensor, rows: list[int], widths: list[int]) -> torch.Tensor:
+    """t: [sum rows, C] -> [sum widths, C]: each group's rows followed by zero rows up to its width."""
+    if rows == widths:
+        return t.contiguous()
+    # on the device, with the output size given: no host sync
+    shift, counts = torch.tensor([[w0 - r0 for w0, r0 in zip(_starts(widths), _starts(rows))], rows],
+                                 dtype=torch.int64).to(t.device, non_blocking=True)
+    dest = torch.arange(t.shape[0], device=t.device) + torch.repeat_interleave(shift, counts, output_size=t.shape[0])
+    return t.new_zeros(sum(widths), t.shape[1]).index_copy_(0, dest, t)
+
+
+def _starts(sizes: list[int]) -> list[int]:
+    out, total = [], 0
+    for n in sizes:
+        out.append(total)
+        total += n
+    return out
 
 
 def _listed(ops: list | GroupedValues) -> list:
@@ -258,6 +310,10 @@ def gemms_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, size
         for g, rows in enumerate(sizes):
             if not rows:  # an expert without rows gets an exact zero gradient, whatever the kernel leaves
                 dw[g].zero_()
+    elif need_dw and grouped and (pairs := _wgrad_all_at_once(dy, x, rows, [calls[g] for g in live])) is not None:
+        dw = torch.zeros_like(weight)
+        for g, (a, b) in zip(live, pairs):  # the contraction runs over each expert's own tokens
+            dw[g] = run_gemm(a, 0, b, 0, dy.dtype)
     elif need_dw:
         dw = torch.zeros_like(weight) if grouped else None
         for g, dyg, xg in zip(live, dys, xs):

@@ -96,7 +96,7 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x_sorted_SD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         dtype = compute_dtype(x_sorted_SD)
-        if self.recipe is None and self.grouped_mm and _grouped_mm_runs(x_sorted_SD.device, dtype):
+        if self.recipe is None and self.grouped_mm and _grouped_mm_runs(x_sorted_SD, self.w_down, dtype):
             offsets_E = counts_E.cumsum(0).to(torch.int32)
 
             def mm(x: torch.Tensor, w_EOI: torch.Tensor) -> torch.Tensor:
@@ -121,10 +121,12 @@ class GroupedExperts(nn.Module):
         return torch.cat(outs) if outs else x_sorted_SD.new_zeros(x_sorted_SD.shape)
 
 
-def _grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
-    # bf16 only: what the CUDA kernel takes, and all torch.compile's shape rule for it accepts
-    if not hasattr(torch, "_grouped_mm") or dtype != torch.bfloat16:
+def _grouped_mm_runs(x: torch.Tensor, w_down_EDF: torch.Tensor, dtype: torch.dtype) -> bool:
+    # bf16 only: what the CUDA kernel takes, and all torch.compile's shape rule for it accepts;
+    # rows 16-byte aligned (D and F multiples of 8), else the loop
+    if not hasattr(torch, "_grouped_mm") or dtype != torch.bfloat16 or any(n % 8 for n in w_down_EDF.shape[1:]):
         return False
+    device = x.device
     return device.type == "cpu" or (device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0))
 
 

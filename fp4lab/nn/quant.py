@@ -27,7 +27,7 @@ its own stream from the recipe seed, the layer, the step and the GEMM, so runs r
 and nothing draws from torch's global generator.
 
 Public: ``Rotation``, ``derive_seed``, ``rotation_for``, ``quantize_operand``, ``run_gemm``,
-``dither``, ``gemm_dtype``, ``operand_knobs``.
+``dither``, ``gemm_dtype``, ``operand_knobs``, ``fuses_rotation``.
 """
 
 from __future__ import annotations
@@ -103,15 +103,21 @@ def _quantize(t: torch.Tensor, axis: int, op: Operand, *, seed: int, rotation: R
     return kernels.quantize_as(t, op.format, **kwargs) if codes else kernels.quantize_values(t, op.format, **kwargs)
 
 
+def fuses_rotation(op: Operand, rotation: Rotation) -> bool:
+    """Whether op's quantizer applies ``rotation`` itself: the rotation is its block size (NVFP4 16,
+    MXFP4 32) on an undithered operand."""
+    return (op.quantized and "hadamard" in op.format.spec.knobs and rotation.size == op.format.spec.block_len
+            and not op.dither)
+
+
 def quantize_operand(t: torch.Tensor, axis: int, op: Operand, *, seed: int, rotation: Rotation | None = None,
                      stats: dict[str, dict[str, float]] | None = None, key: str = "",
                      codes: bool = False) -> torch.Tensor | FP4Tensor | BlockValues:
     """t: [R, L] (axis 1) or [L, R] (axis 0) -> t rotated (if asked) and, unless op is BF16,
     quantized along ``axis``: BlockValues (the GEMM operand), or with ``codes`` the FP4Tensor.
     With ``stats``, records quant_stats of what was quantized at ``key``."""
-    # the quantizer rotates by itself when the rotation is its block size (NVFP4 16, MXFP4 32)
-    fused = (rotation is not None and op.quantized and "hadamard" in op.format.spec.knobs
-             and rotation.size == op.format.spec.block_len and stats is None and not op.dither)
+    # the quantizer rotates by itself when the rotation is its block size
+    fused = rotation is not None and stats is None and fuses_rotation(op, rotation)
     if rotation is not None and not fused:
         t = hadamard_transform(t, axis=axis, size=rotation.size, signs=rotation.signs, seed=rotation.seed)
     if not op.quantized:

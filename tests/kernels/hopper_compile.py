@@ -77,6 +77,9 @@ def exercise() -> None:
                        (Format.NVFP4, dict(profile="four_over_six", block=(16, 16))), (Format.MXFP4, dict(mode="floor"))):
         for rounding in ("rtne", "stochastic"):  # every MoE expert's rows in one launch
             _try(quantize.grouped_block_values, x, fmt, [16, 48], [1, 2], rounding=rounding, **knobs)
+    for fmt, knobs in ((Format.NVFP4, dict(hadamard="random", rounding="stochastic")), (Format.NVFP4, {}),
+                       (Format.MXFP4, dict(hadamard="random"))):  # wgrad's operands, every expert at once
+        _try(quantize.grouped_column_block_values, x, fmt, [32, 32], [1, 2], hadamard_seeds=[3, 4], **knobs)
     _try(amax.finite_amax, x)
     _try(_decode_and_gemm, x, decode, gemm)
     a, b = torch.randn(64, 64, generator=g).bfloat16(), torch.randn(64, 64, generator=g).bfloat16()

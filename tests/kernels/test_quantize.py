@@ -261,3 +261,34 @@ def test_grouped_values_gemm_equals_the_listed_operands():
     assert torch.equal(joined, listed)
     reference = kernels.grouped_values_mm(a, b, backend="reference")
     torch.testing.assert_close(joined.cpu(), reference.cpu(), rtol=1e-5, atol=1e-5)  # fp32 summation order
+
+
+@settings(max_examples=20, deadline=None)
+@given(fmt=st.sampled_from(["nvfp4", "nvfp4-46", "mxfp4"]), widths=st.lists(st.integers(1, 3), min_size=1, max_size=4),
+       cols=st.integers(1, 40), seed=st.integers(0, 1000), sr=st.booleans(), bf16=st.booleans(),
+       hadamard=st.sampled_from([None, "none", "random", "te"]))
+def test_grouped_columns_quantize_is_each_group_quantized_alone(fmt, widths, cols, seed, sr, bf16, hadamard):
+    """wgrad's operands of every expert (tokens padded per expert to a multiple of 32, quantized
+    along the tokens, rotated as asked) in one launch: each group's columns are the bytes of
+    quantizing it alone, with its own seed and random signs, Philox counted in its own layout."""
+    if fmt == "mxfp4" and hadamard == "te":
+        hadamard = "random"  # TE's signs are 16-point
+    widths = [32 * w for w in widths]
+    x = hard_input((sum(widths), cols), seed, torch.bfloat16 if bf16 else torch.float32)
+    seeds, h_seeds = [seed + g for g in range(len(widths))], [seed * 7 + g for g in range(len(widths))]
+    knobs = {"nvfp4": {}, "nvfp4-46": dict(profile="four_over_six"), "mxfp4": dict(mode="even")}[fmt]
+    fmt = fmt.split("-")[0]
+    kw = dict(rounding="stochastic" if sr else "rtne", **knobs)
+    fast = kernels.quantize_grouped_columns(x.to(DEVICE), fmt, widths, seeds, hadamard=hadamard, hadamard_seeds=h_seeds,
+                                            backend="triton", **kw)
+    rotation = {} if hadamard is None else dict(hadamard=hadamard)
+    for g, (got, xg) in enumerate(zip(fast, x.split(widths))):
+        alone = formats.spec_of(fmt).quantize(xg, axis=0, seed=seeds[g], hadamard_seed=h_seeds[g], **rotation, **kw)
+        assert_same_values(got, kernels.BlockValues.of(alone))
+
+
+def test_grouped_columns_refuse_widths_that_straddle_tiles():
+    x = torch.randn(64, 16, device=DEVICE)
+    for widths, seeds in [([48, 16], [1, 2]), ([64], [1, 2]), ([32, 0, 32], [1, 2, 3])]:
+        with pytest.raises(ValueError, match="does not split into groups"):
+            kernels.quantize_grouped_columns(x, "nvfp4", widths, seeds, backend="triton")
