@@ -1,11 +1,14 @@
 """A GPT training step (forward, backward, AdamW) in BF16 and under FP4 recipes, side by side.
 
-    python benchmarks/bench_model.py [--model d12] [--batch 16] [--seq 1024] [--modes eager compiled]
+    python benchmarks/bench_model.py [--model d12] [--batch 16] [--seq 1024] [--modes eager compiled] [--rounds 3]
 
 Each arm: the same model and batch under bf16 autocast; fp4lab.nn.quantize_model applies the
 recipe (Triton quantizers writing BF16 block values and kernels.matmul's GEMMs on CUDA). Reports tokens/s and the step
 time over BF16's (lower is better), median of timed steps after warmup (host time included:
-this is what a training run sees). Each arm runs eager and under torch.compile (the FP4 GEMMs
+this is what a training run sees). Host-bound FP4 steps move ~30% between runs of the same code
+(benchmarks/NOTES.md, 2026-11-25), so every arm is built once and timed in ``--rounds`` rounds
+that alternate the arms; a ratio is the median over rounds of the round's step over the same
+round's BF16 step, with the rounds' range beside it. Each arm runs eager and under torch.compile (the FP4 GEMMs
 as nn.ops custom ops); a compiled FP4 arm is compared with compiled BF16, as users run it.
 Writes benchmarks/results/model.json (d12; other models model_<name>.json) and the matching keys
 of latest.json: <name>_<arm>_step_over_bf16 (eager), <name>_<arm>_step_over_bf16_compiled.
@@ -48,16 +51,16 @@ def make_step(recipe_name: str, mode: str, args):
     return step
 
 
-def step_times(recipe_name: str, mode: str, args) -> list[float]:
-    step = make_step(recipe_name, mode, args)
+def timed_median(step, start: int, steps: int) -> float:
+    """Median seconds of ``steps`` calls of step(i), i counting on from ``start``."""
     times = []
-    for i in range(args.warmup + args.steps):
+    for i in range(start, start + steps):
         torch.cuda.synchronize()
-        start = time.perf_counter()
+        begin = time.perf_counter()
         step(i)
         torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return times[args.warmup:]
+        times.append(time.perf_counter() - begin)
+    return statistics.median(times)
 
 
 def step_arguments(parser: argparse.ArgumentParser, *, warmup: int, steps: int) -> None:
@@ -74,18 +77,34 @@ def main() -> None:
     step_arguments(parser, warmup=5, steps=20)
     parser.add_argument("--arms", nargs="*", default=list(ARMS))
     parser.add_argument("--modes", nargs="*", default=["eager", "compiled"], choices=["eager", "compiled"])
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     tokens = args.batch * args.seq
+    keys = [(arm, mode) for mode in args.modes for arm in args.arms]
+    steps, done = {}, {}
+    for key in keys:  # built and warmed once (compiling included)
+        steps[key] = make_step(*key, args)
+        timed_median(steps[key], 0, args.warmup)
+        done[key] = args.warmup
+    medians: dict[tuple, list[float]] = {key: [] for key in keys}
+    for _ in range(args.rounds):  # the arms alternate, so a slow spell of the host hits them all
+        for key in keys:
+            medians[key].append(timed_median(steps[key], done[key], args.steps) * 1e3)
+            done[key] += args.steps
     rows: dict[str, dict] = {}
-    for mode in args.modes:
-        for arm in args.arms:
-            ms = statistics.median(step_times(arm, mode, args)) * 1e3
-            base = rows.get(f"bf16/{mode}")
-            row = rows[f"{arm}/{mode}"] = {"arm": arm, "mode": mode, "step_ms": ms, "tokens_per_s": tokens / ms * 1e3,
-                                           "over_bf16": ms / base["step_ms"] if base else None}
-            print(f"{args.model} {arm:12s} {mode:8s} {ms:8.1f} ms/step  {row['tokens_per_s']:9.0f} tok/s  "
-                  f"x{row['over_bf16'] or 1:.2f} of bf16 {mode}", flush=True)
-    payload = {**environment(), "model": args.model, "batch": args.batch, "seq": args.seq, "arms": rows}
+    for arm, mode in keys:
+        ms = statistics.median(medians[arm, mode])
+        base = medians.get(("bf16", mode))
+        ratios = [m / b for m, b in zip(medians[arm, mode], base)] if base else None
+        row = rows[f"{arm}/{mode}"] = {
+            "arm": arm, "mode": mode, "step_ms": ms, "round_ms": medians[arm, mode],
+            "tokens_per_s": tokens / ms * 1e3, "over_bf16": statistics.median(ratios) if ratios else None,
+            "over_bf16_range": [min(ratios), max(ratios)] if ratios else None}
+        spread = f" (rounds {min(ratios):.2f}-{max(ratios):.2f})" if ratios and arm != "bf16" else ""
+        print(f"{args.model} {arm:12s} {mode:8s} {ms:8.1f} ms/step  {row['tokens_per_s']:9.0f} tok/s  "
+              f"x{row['over_bf16'] or 1:.2f} of bf16 {mode}{spread}", flush=True)
+    payload = {**environment(), "model": args.model, "batch": args.batch, "seq": args.seq, "rounds": args.rounds,
+               "steps_per_round": args.steps, "arms": rows}
     name = "model" if args.model == "d12" else f"model_{args.model.replace('-', '_')}"
     keys = {f"{name}_{r['arm']}_step_over_bf16{'_compiled' if r['mode'] == 'compiled' else ''}": r["over_bf16"]
             for r in rows.values() if r["arm"] != "bf16"}
