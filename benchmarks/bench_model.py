@@ -81,16 +81,13 @@ def main() -> None:
     args = parser.parse_args()
     tokens = args.batch * args.seq
     keys = [(arm, mode) for mode in args.modes for arm in args.arms]
-    steps, done = {}, {}
-    for key in keys:  # built and warmed once (compiling included)
-        steps[key] = make_step(*key, args)
-        timed_median(steps[key], 0, args.warmup)
-        done[key] = args.warmup
+    steps = {key: make_step(*key, args) for key in keys}
+    for step in steps.values():  # warmed once (compiling included)
+        timed_median(step, 0, args.warmup)
     medians: dict[tuple, list[float]] = {key: [] for key in keys}
-    for _ in range(args.rounds):  # the arms alternate, so a slow spell of the host hits them all
+    for r in range(args.rounds):  # the arms alternate, so a slow spell of the host hits them all
         for key in keys:
-            medians[key].append(timed_median(steps[key], done[key], args.steps) * 1e3)
-            done[key] += args.steps
+            medians[key].append(timed_median(steps[key], args.warmup + r * args.steps, args.steps) * 1e3)
     rows: dict[str, dict] = {}
     for arm, mode in keys:
         ms = statistics.median(medians[arm, mode])

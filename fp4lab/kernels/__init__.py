@@ -243,7 +243,7 @@ def _groups(ops: list[BlockValues] | GroupedValues) -> list[BlockValues]:
 def _alphas(a, b, a_list: list[BlockValues], b_list: list[BlockValues]) -> torch.Tensor:
     """[G] fp32 S_dec_A,g * S_dec_B,g (operand.alpha per group): one multiply where both sides
     hold their scales as one tensor."""
-    if isinstance(a, GroupedValues) and isinstance(b, GroupedValues) and a.format is b.format:
+    if isinstance(a, GroupedValues) and isinstance(b, GroupedValues):  # formats checked by the caller
         if a.tensor_scales is None or b.tensor_scales is None:
             return torch.ones(len(a_list), dtype=torch.float32, device=a.values.device)
         return a.tensor_scales * b.tensor_scales

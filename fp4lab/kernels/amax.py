@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .elements import widen
+from .elements import group_of, widen
 
 GROUPED_TILE = (32, 128)  # (rows, columns) per program of the grouped pass
 
@@ -59,10 +59,7 @@ def _grouped_amax_kernel(x_ptr, out_ptr, start_ptr, n_groups, R, L, BF16_BITS: t
                           other=0), BF16_BITS)
         bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
         acc = tl.maximum(acc, tl.max(tl.where(bits < 0x7F800000, bits, 0), axis=1))
-    group = tl.zeros((BR,), dtype=tl.int32)
-    for g in range(1, n_groups):
-        group += (rows >= tl.load(start_ptr + g)).to(tl.int32)
-    tl.atomic_max(out_ptr + group, acc, mask=rows < R)
+    tl.atomic_max(out_ptr + group_of(rows, start_ptr, n_groups), acc, mask=rows < R)
 
 
 def grouped_finite_amax(x: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,8 @@ are byte-identical to fp4lab.formats (tested exhaustively under TRITON_INTERPRET
     to_bf16_rtne(x)       fp32 -> bf16 round to nearest even, in integers (same on every backend)
     round_to_bf16(x)      fp32 -> fp32 rounded to bf16
     pack_nibble_pairs(c)  [.., 2n] codes -> [.., n] bytes, element 2i in the low nibble
+    group_of(i, starts, G) row or column index (a tensor or a scalar) -> the group it falls in,
+                          groups starting at starts[0..G-1] ascending (MoE experts back to back)
 
 Public: the functions above (``@triton.jit``, callable from kernels only).
 """
@@ -133,3 +135,13 @@ def pack_nibble_pairs(codes, ROWS: tl.constexpr, COLS: tl.constexpr):
     """codes: [ROWS, COLS] int32 nibbles -> [ROWS, COLS // 2] uint8, element 2i low."""
     lo, hi = tl.split(tl.reshape(codes, (ROWS, COLS // 2, 2)))
     return (lo | (hi << 4)).to(tl.uint8)
+
+
+@triton.jit
+def group_of(index, start_ptr, n_groups):
+    """index: int tensor or scalar -> int32 of its shape: the g with start_ptr[g] <= index <
+    start_ptr[g + 1]. A linear scan: MoE has tens of experts, and the starts stay in cache."""
+    group = (index * 0).to(tl.int32)
+    for g in range(1, n_groups):
+        group += (index >= tl.load(start_ptr + g)).to(tl.int32)
+    return group

@@ -42,7 +42,7 @@ from ..formats.nvfp4 import _check_amax, _nvfp4_block, nvfp4_tensor_terms
 from ..formats.types import Format, FP4Tensor, MXScaleMode, NVFP4Profile, Rounding
 from .amax import finite_amax, grouped_finite_amax
 from .operand import BlockValues
-from .elements import (e2m1_rtne, e2m1_stochastic, e2m1_value, e4m3_rtne, e4m3_value, pack_nibble_pairs,
+from .elements import (e2m1_rtne, e2m1_stochastic, e2m1_value, e4m3_rtne, e4m3_value, group_of, pack_nibble_pairs,
                        philox_bytes, round_to_bf16, scale_value, to_bf16_rtne, widen)
 
 # SCALE_RULE: how a block's scale is made (NVFP4 profiles, then MXFP4 scale modes)
@@ -268,16 +268,6 @@ def _mx_exponent(bamax, RULE: tl.constexpr):
 
 
 @triton.jit
-def _group_of(rows, start_ptr, n_groups):
-    """rows: [BR] int64 -> [BR] int32, the group each row falls in (groups start at start_ptr[g],
-    ascending; a linear scan: MoE has tens of experts, and the starts stay in cache)."""
-    group = tl.zeros(rows.shape, dtype=tl.int32)
-    for g in range(1, n_groups):
-        group += (rows >= tl.load(start_ptr + g)).to(tl.int32)
-    return group
-
-
-@triton.jit
 def _fp4_quantize_kernel(x_ptr, codes_ptr, scales_ptr, amax_ptr, s_dec_ptr, seed, hadamard_seed,
                          start_ptr, seeds_ptr, h_seeds_ptr, n_groups,
                          R, L, R_OUT, LP, stride_r, stride_c,
@@ -290,14 +280,12 @@ def _fp4_quantize_kernel(x_ptr, codes_ptr, scales_ptr, amax_ptr, s_dec_ptr, seed
     # what Philox counts: group index = local row * lp_of / 16 + column / 16 - col_base
     col_base = tl.program_id(1) * (BC // 16)
     if GROUPED == ROW_GROUPS:  # each row's group: its own amax, S_dec and seed
-        group = _group_of(rows, start_ptr, n_groups)
+        group = group_of(rows, start_ptr, n_groups)
         local = rows - tl.load(start_ptr + group)  # the row within its group
         amax_at, seed_of, h_seed, lp_of = amax_ptr + group, tl.load(seeds_ptr + group)[:, None], hadamard_seed, LP
     elif GROUPED == COL_GROUPS:  # the program's columns lie in one group (start_ptr holds G + 1 edges)
         col0 = tl.program_id(1) * BC
-        group = tl.program_id(1) * 0
-        for g in range(1, n_groups):
-            group += (col0 >= tl.load(start_ptr + g)).to(tl.int32)
+        group = group_of(col0, start_ptr, n_groups)
         start = tl.load(start_ptr + group)
         local, amax_at, seed_of = rows, amax_ptr + group, tl.load(seeds_ptr + group)
         h_seed, lp_of = tl.load(h_seeds_ptr + group), tl.load(start_ptr + group + 1) - start

@@ -40,6 +40,7 @@ Public: ``QuantContext``, ``Call``, ``make_call``, ``call_at``, ``layer_key``, `
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import zlib
 from dataclasses import dataclass, field
 
@@ -210,18 +211,10 @@ def _pad_groups(t: torch.Tensor, rows: list[int], widths: list[int]) -> torch.Te
     if rows == widths:
         return t.contiguous()
     # on the device, with the output size given: no host sync
-    shift, counts = torch.tensor([[w0 - r0 for w0, r0 in zip(_starts(widths), _starts(rows))], rows],
-                                 dtype=torch.int64).to(t.device, non_blocking=True)
+    shift = list(itertools.accumulate((w - n for w, n in zip(widths, rows)), initial=0))[:-1]  # padding before g
+    shift, counts = torch.tensor([shift, rows], dtype=torch.int64).to(t.device, non_blocking=True)
     dest = torch.arange(t.shape[0], device=t.device) + torch.repeat_interleave(shift, counts, output_size=t.shape[0])
     return t.new_zeros(sum(widths), t.shape[1]).index_copy_(0, dest, t)
-
-
-def _starts(sizes: list[int]) -> list[int]:
-    out, total = [], 0
-    for n in sizes:
-        out.append(total)
-        total += n
-    return out
 
 
 def _listed(ops: list | GroupedValues) -> list:
@@ -247,17 +240,19 @@ def gemms_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     operands when dgrad can multiply them transposed)."""
     # x: [S, K], weight: [G, N, K], bias: [N] | None (dense only) -> y: [S, N]
     live = _live(sizes, grouped)
+    live_calls = [calls[g] for g in live]
     xs = x.split([sizes[g] for g in live]) if grouped else [x]
     w_src = [calls[g].weight_source(weight[g]) for g in live]
     fprop = calls[0].recipe.fprop
     # ---- fprop: y = x @ W^T, contraction over K
     w_fprop = None
     if fprop.quantized or fprop.rotated:
-        w_rows = weight.reshape(-1, weight.shape[2]) if len(live) == weight.shape[0] and not fprop.b.dither else None
-        w_fprop = (_all_at_once(w_rows, [weight.shape[1]] * len(live), [calls[g] for g in live], "fprop", "b")
-                   if grouped and w_rows is not None else None)
+        # every expert's weights at once where all have rows (the weight as it is: a dithered one is refused)
+        w_fprop = (grouped and len(live) == weight.shape[0]
+                   and _all_at_once(weight.reshape(-1, weight.shape[2]), [weight.shape[1]] * len(live), live_calls,
+                                    "fprop", "b"))
         w_fprop = w_fprop or [calls[g].operand(w, 1, "fprop", "b") for g, w in zip(live, w_src)]
-        a = grouped and _all_at_once(x, [sizes[g] for g in live], [calls[g] for g in live], "fprop", "a")
+        a = grouped and _all_at_once(x, [sizes[g] for g in live], live_calls, "fprop", "a")
         a = a or [calls[g].operand(xg, 1, "fprop", "a") for g, xg in zip(live, xs)]
         y = _multiply(a, 1, w_fprop, 1, grouped, (x.shape[0], weight.shape[1]), x)
         y = y if bias is None else y + bias
@@ -283,6 +278,7 @@ def gemms_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, size
     gemms_forward kept (without it, dithered weights are made again from their seeds)."""
     saved = saved or {}
     live = _live(sizes, grouped)
+    live_calls = [calls[g] for g in live]
     w_src = saved.get("w_src") or [calls[g].weight_source(weight[g]) for g in live]
     w_values = saved.get("w_values")
     rows = [sizes[g] for g in live]
@@ -296,7 +292,7 @@ def gemms_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, size
             k = weight.shape[2]
             w_ops = ([v.transposed(k) for v in w_values] if w_values is not None
                      else [calls[g].operand(w, 0, "dgrad", "b") for g, w in zip(live, w_src)])
-            a = grouped and _all_at_once(dy, rows, [calls[g] for g in live], "dgrad", "a")
+            a = grouped and _all_at_once(dy, rows, live_calls, "dgrad", "a")
             a = a or [calls[g].operand(dyg, 1, "dgrad", "a") for g, dyg in zip(live, dys)]
             dx = _multiply(a, 1, w_ops, 0, grouped, tuple(x.shape), dy)
         elif offs is not None:  # the kernel takes row- or column-major strides only
@@ -310,7 +306,7 @@ def gemms_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, size
         for g, rows in enumerate(sizes):
             if not rows:  # an expert without rows gets an exact zero gradient, whatever the kernel leaves
                 dw[g].zero_()
-    elif need_dw and grouped and (pairs := _wgrad_all_at_once(dy, x, rows, [calls[g] for g in live])) is not None:
+    elif need_dw and grouped and (pairs := _wgrad_all_at_once(dy, x, rows, live_calls)) is not None:
         dw = torch.zeros_like(weight)
         for g, (a, b) in zip(live, pairs):  # the contraction runs over each expert's own tokens
             dw[g] = run_gemm(a, 0, b, 0, dy.dtype)
