@@ -13,7 +13,8 @@ Operand forms (docs/design.md "Operand forms"): a GEMM operand is quantized to `
 the quantize pass itself on Triton (``quantize_values``) or decoded from the reference's
 FP4Tensor (``to_values``); ``quantize_grouped_values`` quantizes every MoE expert's tensor in one
 launch (``GroupedValues``); ``values_mm`` multiplies one pair, ``grouped_values_mm`` one pair per
-MoE expert in one launch. Both backends compute the same function (formats.emulated_mm's): the
+MoE expert in one launch, and ``contraction_grouped_values_mm`` one pair per expert whose
+contraction runs over the expert's own tokens (wgrad), also in one launch. Both backends compute the same function (formats.emulated_mm's): the
 same exact products, an FP32 accumulation, alpha once.
 
 Files: elements.py (device functions for codes), quantize.py (NVFP4/MXFP4 quantize, fused
@@ -25,7 +26,7 @@ Speed: benchmarks/README.md; correctness: tests/kernels (bytes equal to fp4lab.f
 Public: ``Backend``, ``FAST_QUANTIZERS``, ``quantize_as``, ``quantize_nvfp4``, ``quantize_mxfp4``,
 ``dequantize``, ``fake_quantize``, ``fp4_mm``, ``uses_triton``, ``BlockValues``, ``quantize_values``,
 ``to_values``, ``values_mm``, ``GroupedValues``, ``quantize_grouped_values``, ``quantize_grouped_columns``,
-``grouped_values_mm``, ``grouped_fp4_mm``.
+``grouped_values_mm``, ``contraction_grouped_values_mm``, ``grouped_fp4_mm``.
 """
 
 from __future__ import annotations
@@ -234,6 +235,48 @@ def grouped_values_mm(a: list[BlockValues] | GroupedValues, b: list[BlockValues]
                                  out_dtype=out_dtype)
     return torch.cat([values_mm(va, vb, out_dtype=out_dtype, backend=Backend.REFERENCE)
                       for va, vb in zip(a_list, b_list)])
+
+
+def contraction_grouped_values_mm(a: list[BlockValues], b: list[BlockValues], *, out_dtype: torch.dtype = torch.float32,
+                                  backend: str | Backend | None = None) -> torch.Tensor:
+    """One C_g = alpha_g * (A_g @ B_g^T) per group, every a[g] the same M rows and every b[g] the
+    same N rows, the contraction length each group's own (MoE wgrad: each expert's padded tokens)
+    -> [G, M, N] ``out_dtype``, each C_g what values_mm(a[g], b[g]) gives: one Triton launch
+    (kernels.matmul.contraction_grouped_mm; groups that are column slices of one buffer, as
+    quantize_grouped_columns writes them, are read in place), or values_mm per group on the
+    reference."""
+    if len(a) != len(b) or not a:
+        raise ValueError(f"contraction_grouped_values_mm takes as many A as B operands (at least one), got {len(a)} "
+                         f"and {len(b)}")
+    for va, vb in zip(a, b):
+        _check_values_pair(va, vb)
+    if len({v.rows for v in a}) != 1 or len({v.rows for v in b}) != 1:
+        raise ValueError("contraction_grouped_values_mm takes groups of the same rows (only the contraction varies), "
+                         f"got {[v.rows for v in a]} and {[v.rows for v in b]}")
+    if uses_triton(a[0].values, backend) and out_dtype in (torch.float32, torch.bfloat16):
+        from .matmul import contraction_grouped_mm
+        scales = [v.tensor_scale for v in (*a, *b)]
+        if any(s is None for s in scales):
+            alphas = torch.stack([operand_alpha(va, vb) for va, vb in zip(a, b)])
+        else:
+            alphas = torch.stack(scales[: len(a)]) * torch.stack(scales[len(a):])
+        return contraction_grouped_mm(_joined_columns(a), _joined_columns(b), [v.values.shape[1] for v in a], alphas,
+                                      out_dtype=out_dtype)
+    return torch.stack([values_mm(va, vb, out_dtype=out_dtype, backend=Backend.REFERENCE) for va, vb in zip(a, b)])
+
+
+def _joined_columns(ops: list[BlockValues]) -> torch.Tensor:
+    """[rows, sum of widths]: the groups' matrices side by side, read in place where each group's
+    columns follow the previous group's in one buffer (else one copy)."""
+    first = ops[0].matrix
+    width, size = first.shape[1], first.element_size()
+    for v in ops[1:]:
+        m = v.matrix
+        if (m.stride() != first.stride() or m.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+                or m.data_ptr() != first.data_ptr() + width * first.stride(1) * size):
+            return torch.cat([v.matrix for v in ops], dim=1)
+        width += m.shape[1]
+    return first.as_strided((first.shape[0], width), first.stride())
 
 
 def _groups(ops: list[BlockValues] | GroupedValues) -> list[BlockValues]:

@@ -9,6 +9,12 @@ this kernel does all of it in one: C = round_bf16(alpha * (A @ B^T)) with FP32 a
     grouped_scaled_mm(a, b, sizes, alpha)     a: [S, K] rows of G groups, back to back (sizes[g]
                                               rows each), b: [G, N, K] -> [S, N]; group g's rows
                                               times b[g]^T, scaled by alpha[g] (one launch)
+    contraction_grouped_mm(a, b, widths, alpha)
+                                              a: [M, S], b: [N, S], S split into G groups of
+                                              widths[g] columns -> [G, M, N]: group g's columns
+                                              of a times those of b, transposed, scaled by alpha[g]
+                                              (one launch: MoE wgrad, contracting each expert's
+                                              own tokens)
 
 The grouped launch walks a tile list made on the host from ``sizes`` (a list of ints: the caller
 already has them, so there is no device sync): tile t covers rows tile_row[t] ..  + BM of group
@@ -19,11 +25,12 @@ operands' layout allows, else through pointers (``_scaled_mm_kernel``, also the 
 Under TRITON_INTERPRET=1 the dot multiplies exact fp32 copies (the interpreter's bf16 dot
 multiplies raw bit patterns); the result is the same function up to fp32 summation order.
 
-Public: ``scaled_mm``, ``grouped_scaled_mm``.
+Public: ``scaled_mm``, ``grouped_scaled_mm``, ``contraction_grouped_mm``.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Sequence
 
@@ -76,20 +83,10 @@ def _store_scaled(acc, alpha_ptr, g, s_alpha, c_ptr, rm, rn, row_end, N, s_cm, s
 
 
 @triton.jit
-def _scaled_mm_kernel(a_ptr, b_ptr, c_ptr, alpha_ptr, tile_group_ptr, tile_row_ptr, group_end_ptr,
-                      M, N, K, s_am, s_ak, s_bg, s_bn, s_bk, s_cm, s_cn, s_alpha,
-                      GROUPED: tl.constexpr, BF16_OUT: tl.constexpr, EVEN_K: tl.constexpr,
-                      DOT_F32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                      GROUP_M: tl.constexpr):
-    g, row0, row_end, pid_n = _tile(tl.program_id(0), tile_group_ptr, tile_row_ptr, group_end_ptr, M, N,
-                                    GROUPED, BM, BN, GROUP_M)
-    if GROUPED:
-        b_ptr += g.to(tl.int64) * s_bg
-    rm = row0 + tl.arange(0, BM)
-    rn = pid_n * BN + tl.arange(0, BN)
-    # rows and columns past the end read a valid one (clamped) and are never stored: no load masks
-    rm_in = tl.minimum(rm, row_end - 1).to(tl.int64)
-    rn_in = tl.minimum(rn, N - 1).to(tl.int64)
+def _accumulate(a_ptr, b_ptr, rm_in, rn_in, s_am, s_ak, s_bn, s_bk, K, EVEN_K: tl.constexpr,
+                DOT_F32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """-> fp32 [BM, BN] sum over k < K of A[rm, k] * B[rn, k], BK columns at a time from k = 0
+    (clamped rows and columns: the caller never stores them)."""
     rk = tl.arange(0, BK)
     a_tile = a_ptr + rm_in[:, None] * s_am + rk[None, :] * s_ak
     b_tile = b_ptr + rn_in[None, :] * s_bn + rk[:, None] * s_bk
@@ -108,7 +105,47 @@ def _scaled_mm_kernel(a_ptr, b_ptr, c_ptr, alpha_ptr, tile_group_ptr, tile_row_p
             acc = tl.dot(a, b, acc)
         a_tile += BK * s_ak
         b_tile += BK * s_bk
+    return acc
+
+
+@triton.jit
+def _scaled_mm_kernel(a_ptr, b_ptr, c_ptr, alpha_ptr, tile_group_ptr, tile_row_ptr, group_end_ptr,
+                      M, N, K, s_am, s_ak, s_bg, s_bn, s_bk, s_cm, s_cn, s_alpha,
+                      GROUPED: tl.constexpr, BF16_OUT: tl.constexpr, EVEN_K: tl.constexpr,
+                      DOT_F32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                      GROUP_M: tl.constexpr):
+    g, row0, row_end, pid_n = _tile(tl.program_id(0), tile_group_ptr, tile_row_ptr, group_end_ptr, M, N,
+                                    GROUPED, BM, BN, GROUP_M)
+    if GROUPED:
+        b_ptr += g.to(tl.int64) * s_bg
+    rm = row0 + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    # rows and columns past the end read a valid one (clamped) and are never stored: no load masks
+    rm_in = tl.minimum(rm, row_end - 1).to(tl.int64)
+    rn_in = tl.minimum(rn, N - 1).to(tl.int64)
+    acc = _accumulate(a_ptr, b_ptr, rm_in, rn_in, s_am, s_ak, s_bn, s_bk, K, EVEN_K, DOT_F32, BM, BN, BK)
     _store_scaled(acc, alpha_ptr, g, s_alpha, c_ptr, rm, rn, row_end, N, s_cm, s_cn, BF16_OUT)
+
+
+@triton.jit
+def _contraction_grouped_kernel(a_ptr, b_ptr, c_ptr, alpha_ptr, k_start_ptr, k_width_ptr, M, N,
+                                s_am, s_ak, s_bn, s_bk, s_cg, s_cm, s_cn,
+                                BF16_OUT: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
+                                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """C[g] = alpha[g] * (A[:, seg_g] @ B[:, seg_g]^T), seg_g = the group's columns: each program
+    one (group, row tile, column tile), its contraction the group's own columns, summed in the
+    order _scaled_mm_kernel sums a [M, width] x [N, width] product (the same _accumulate)."""
+    tiles_m, tiles_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
+    pid = tl.program_id(0)
+    g, t = pid // (tiles_m * tiles_n), pid % (tiles_m * tiles_n)
+    rm = (t // tiles_n) * BM + tl.arange(0, BM)
+    rn = (t % tiles_n) * BN + tl.arange(0, BN)
+    rm_in = tl.minimum(rm, M - 1).to(tl.int64)
+    rn_in = tl.minimum(rn, N - 1).to(tl.int64)
+    k0 = tl.load(k_start_ptr + g).to(tl.int64)
+    acc = _accumulate(a_ptr + k0 * s_ak, b_ptr + k0 * s_bk, rm_in, rn_in, s_am, s_ak, s_bn, s_bk,
+                      tl.load(k_width_ptr + g), EVEN_K, DOT_F32, BM, BN, BK)
+    _store_scaled(acc, alpha_ptr, g, 1, c_ptr + g.to(tl.int64) * s_cg, rm, rn, M, N, s_cm, s_cn, BF16_OUT)
 
 
 @triton.jit
@@ -253,4 +290,33 @@ def grouped_scaled_mm(a: torch.Tensor, b: torch.Tensor, sizes: Sequence[int], al
     s_alpha = 1 if alpha.numel() > 1 else 0
     _launch(a, b, out, alpha.reshape(-1).contiguous(), lambda _bm, bn: (len(tile_group) * triton.cdiv(n, bn),),
             (tiles[0], tiles[1], group_end), s, n, k, b.stride(0), s_alpha, True)
+    return out
+
+
+def contraction_grouped_mm(a: torch.Tensor, b: torch.Tensor, widths: Sequence[int], alpha: torch.Tensor, *,
+                           out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """a: [M, S] bf16, b: [N, S] bf16 (any strides), widths: G ints >= 0 summing to S, alpha: [G]
+    fp32 -> [G, M, N]: out[g] = alpha[g] * (a_g @ b_g^T), a_g and b_g group g's columns; each is
+    what scaled_mm(a_g, b_g, alpha[g]) computes (a group of width 0 gives alpha[g] * 0)."""
+    _check(a, b, out_dtype, alpha)
+    widths = [int(w) for w in widths]
+    if a.dim() != 2 or b.dim() != 2 or sum(widths) != a.shape[1] or min(widths, default=0) < 0:
+        raise ValueError(f"contraction_grouped_mm: a {tuple(a.shape)}, b {tuple(b.shape)} and widths {widths} do not "
+                         "match (a: [M, S], b: [N, S], widths >= 0 summing to S)")
+    if alpha.numel() != len(widths):
+        raise ValueError(f"alpha must hold {len(widths)} values, got {alpha.numel()}")
+    (m, _), n = a.shape, b.shape[0]
+    out = torch.empty(len(widths), m, n, dtype=out_dtype, device=a.device)
+    if out.numel() == 0:
+        return out
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    bm, bn, bk = _tile_shape()
+    starts = [0, *itertools.accumulate(widths)][:-1]
+    segments = torch.tensor([starts, widths], dtype=torch.int32).to(a.device, non_blocking=True)
+    grid = (len(widths) * triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    _contraction_grouped_kernel[grid](a, b, out, alpha.reshape(-1).contiguous(), segments[0], segments[1], m, n,
+                                      a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0),
+                                      out.stride(1), out.stride(2), BF16_OUT=out_dtype == torch.bfloat16,
+                                      EVEN_K=all(w % bk == 0 for w in widths), DOT_F32=interpreted,
+                                      BM=bm, BN=bn, BK=bk, num_warps=_WARPS, num_stages=_STAGES)
     return out

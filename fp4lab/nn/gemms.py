@@ -14,8 +14,8 @@ dense layers would. Every operand is quantized from the high-precision tensor
 when fprop's and dgrad's weight operands are the same 16x16 RTNE tiles, dgrad multiplies
 fprop's block values transposed instead of quantizing W again (the same values, tested). A
 dithered weight is dithered once per call and both GEMMs quantize it. For wgrad the token axis
-is zero-padded to a multiple of 32 (zero rows add nothing to dy^T x); wgrad is one GEMM per
-group, its contraction running over the group's own rows.
+is zero-padded to a multiple of 32 (zero rows add nothing to dy^T x); each group's wgrad
+contracts over the group's own rows.
 
 The seam ``_multiply`` takes one operand pair per group: a grouped projection's FP4 pairs go to
 kernels.grouped_values_mm (all experts in one launch on the Triton backend); anything else runs
@@ -24,7 +24,8 @@ quant.run_gemm per pair (kernels.values_mm for two FP4 operands). Groups without
 at once where that gives the same bytes as one call per expert (no dither or statistics):
 fprop's x and W and dgrad's dy along their rows without rotation
 (kernels.quantize_grouped_values), wgrad's dy and x along their tokens, padded per expert and
-rotated as the recipe says (kernels.quantize_grouped_columns).
+rotated as the recipe says (kernels.quantize_grouped_columns), and then every expert's wgrad is
+one launch (kernels.contraction_grouped_values_mm).
 
 ``QuantContext`` is the small mutable state a trainer shares with every FP4 layer of a model:
 the step ``tick`` (seeds stochastic rounding, random signs and dither, so a resumed run replays
@@ -307,9 +308,14 @@ def gemms_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, size
             if not rows:  # an expert without rows gets an exact zero gradient, whatever the kernel leaves
                 dw[g].zero_()
     elif need_dw and grouped and (pairs := _wgrad_all_at_once(dy, x, rows, live_calls)) is not None:
-        dw = torch.zeros_like(weight)
-        for g, (a, b) in zip(live, pairs):  # the contraction runs over each expert's own tokens
-            dw[g] = run_gemm(a, 0, b, 0, dy.dtype)
+        # one launch for every expert, each contracting its own (padded) tokens
+        a, b = zip(*pairs)
+        dw_live = kernels.contraction_grouped_values_mm(list(a), list(b), out_dtype=gemm_dtype(dy.dtype)).to(dy.dtype)
+        if len(live) == weight.shape[0] and dw_live.dtype == weight.dtype:
+            dw = dw_live
+        else:
+            dw = torch.zeros_like(weight)
+            dw[live] = dw_live.to(weight.dtype)
     elif need_dw:
         dw = torch.zeros_like(weight) if grouped else None
         for g, dyg, xg in zip(live, dys, xs):

@@ -85,6 +85,8 @@ def exercise() -> None:
     a, b = torch.randn(64, 64, generator=g).bfloat16(), torch.randn(64, 64, generator=g).bfloat16()
     _try(matmul.scaled_mm, a, b, torch.ones(()), out_dtype=torch.bfloat16)
     _try(matmul.grouped_scaled_mm, a, torch.stack([b, b]), [32, 32], torch.ones(2), out_dtype=torch.float32)
+    for dtype in (torch.float32, torch.bfloat16):  # every expert's wgrad, each over its own tokens
+        _try(matmul.contraction_grouped_mm, a, b, [32, 0, 32], torch.ones(3), out_dtype=dtype)
 
 
 def _decode_and_gemm(x, decode, gemm):

@@ -5,7 +5,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from fp4lab.kernels.matmul import grouped_scaled_mm, scaled_mm  # noqa: E402
+from fp4lab.kernels import matmul  # noqa: E402
+from fp4lab.kernels.matmul import contraction_grouped_mm, grouped_scaled_mm, scaled_mm  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -95,6 +96,36 @@ def test_grouped_is_one_scaled_mm_per_group(sizes, k):
             start += size
 
 
+@pytest.mark.parametrize("widths", [[32, 0, 96, 64], [7], [0, 0], [64, 200, 33], [128] * 5])
+@pytest.mark.parametrize("layout", ["rows", "columns"])
+def test_contraction_grouped_is_one_scaled_mm_per_column_group(widths, layout, monkeypatch):
+    """Each group's output is scaled_mm of its columns, bit for bit (the pointer kernel: the same
+    summation), and float64's product to summation order; zero widths give zeros."""
+    monkeypatch.setattr(matmul, "USE_TMA", False)
+    m, n, s = 70, 50, sum(widths)
+    g = torch.Generator().manual_seed(len(widths) + s)
+    a = (torch.randn(m, s + 16, generator=g) * torch.exp(torch.randn(m, 1, generator=g))).bfloat16()[:, 8: 8 + s]
+    b = torch.randn(s, n, generator=g).bfloat16().T  # [N, S], S contiguous down a column: any strides
+    if layout == "columns":
+        a = a.T.contiguous().T
+    alpha = torch.rand(len(widths), generator=g) + 0.5
+    for dtype in (torch.float32, torch.bfloat16):
+        out = contraction_grouped_mm(a.to(DEVICE), b.to(DEVICE), widths, alpha.to(DEVICE), out_dtype=dtype).cpu()
+        assert out.shape == (len(widths), m, n) and out.dtype == dtype
+        start = 0
+        for e, w in enumerate(widths):
+            cols = slice(start, start + w)
+            if w == 0:
+                assert not out[e].any()
+            else:
+                one = scaled_mm(a[:, cols].to(DEVICE), b[:, cols].to(DEVICE), alpha[e].to(DEVICE), out_dtype=dtype)
+                assert torch.equal(out[e], one.cpu())
+                ref = (a[:, cols].double() @ b[:, cols].double().T) * float(alpha[e])
+                bound = _bound(a[:, cols], b[:, cols], alpha[e]) + (ref.abs() * 2**-8 if dtype == torch.bfloat16 else 0)
+                assert bool(((out[e].double() - ref).abs() <= bound).all())
+            start += w
+
+
 def test_bad_arguments_are_refused():
     a, b = _operands(8, 8, 32, 3)
     one = torch.tensor(1.0)
@@ -108,3 +139,7 @@ def test_bad_arguments_are_refused():
         grouped_scaled_mm(a, b[None], [3, 4], one)
     with pytest.raises(ValueError, match="alpha must hold"):
         grouped_scaled_mm(a, b[None].expand(2, 8, 32), [4, 4], torch.ones(3))
+    with pytest.raises(ValueError, match="do not match"):
+        contraction_grouped_mm(a, b, [16, 8], torch.ones(2))
+    with pytest.raises(ValueError, match="alpha must hold"):
+        contraction_grouped_mm(a, b, [16, 16], torch.ones(3))

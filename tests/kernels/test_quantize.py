@@ -287,6 +287,32 @@ def test_grouped_columns_quantize_is_each_group_quantized_alone(fmt, widths, col
         assert_same_values(got, kernels.BlockValues.of(alone))
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_contraction_grouped_gemm_is_each_wgrad_alone(fmt, monkeypatch):
+    """Every expert's wgrad in one launch, read in place from quantize_grouped_columns' buffer:
+    each expert's dW is values_mm of its own operands, bit for bit (the pointer kernel on both
+    sides: the same summation); a copy where the groups are not one buffer's columns gives the same."""
+    from fp4lab.kernels import matmul
+    monkeypatch.setattr(matmul, "USE_TMA", False)
+    torch.manual_seed(1)
+    widths = [32, 96, 64]
+    dy, x = torch.randn(sum(widths), 48, device=DEVICE), torch.randn(sum(widths), 80, device=DEVICE)
+    a = kernels.quantize_grouped_columns(dy, fmt, widths, [1, 2, 3], backend="triton")
+    b = kernels.quantize_grouped_columns(x, fmt, widths, [4, 5, 6], backend="triton", rounding="stochastic")
+    got = kernels.contraction_grouped_values_mm(a, b, backend="triton")
+    assert got.shape == (3, 48, 80)
+    assert kernels._joined_columns(a).data_ptr() == a[0].values.data_ptr()  # read in place, no copy
+    for g, (va, vb) in enumerate(zip(a, b)):
+        assert torch.equal(got[g], kernels.values_mm(va, vb, backend="triton"))
+    copied = [kernels.BlockValues(v.values.clone(), v.tensor_scale, v.rows, v.format) for v in a]
+    assert torch.equal(kernels.contraction_grouped_values_mm(copied, b, backend="triton"), got)
+    reference = kernels.contraction_grouped_values_mm(a, b, backend="reference")
+    torch.testing.assert_close(got.cpu(), reference.cpu(), rtol=1e-5, atol=1e-5)  # fp32 summation order
+    with pytest.raises(ValueError, match="same rows"):
+        kernels.contraction_grouped_values_mm(a[:1] + copied[1:2], [b[0], kernels.BlockValues(
+            b[1].values[:40], b[1].tensor_scale, 40, b[1].format)], backend="triton")
+
+
 def test_grouped_columns_refuse_widths_that_straddle_tiles():
     x = torch.randn(64, 16, device=DEVICE)
     for widths, seeds in [([48, 16], [1, 2]), ([64], [1, 2]), ([32, 0, 32], [1, 2, 3])]:
