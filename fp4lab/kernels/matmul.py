@@ -297,7 +297,7 @@ def contraction_grouped_mm(a: torch.Tensor, b: torch.Tensor, widths: Sequence[in
                            out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """a: [M, S] bf16, b: [N, S] bf16 (any strides), widths: G ints >= 0 summing to S, alpha: [G]
     fp32 -> [G, M, N]: out[g] = alpha[g] * (a_g @ b_g^T), a_g and b_g group g's columns; each is
-    what scaled_mm(a_g, b_g, alpha[g]) computes (a group of width 0 gives alpha[g] * 0)."""
+    what scaled_mm(a_g, b_g, alpha[g]) computes (a group of width 0 gives zeros, whatever alpha)."""
     _check(a, b, out_dtype, alpha)
     widths = [int(w) for w in widths]
     if a.dim() != 2 or b.dim() != 2 or sum(widths) != a.shape[1] or min(widths, default=0) < 0:
@@ -319,4 +319,6 @@ def contraction_grouped_mm(a: torch.Tensor, b: torch.Tensor, widths: Sequence[in
                                       out.stride(1), out.stride(2), BF16_OUT=out_dtype == torch.bfloat16,
                                       EVEN_K=all(w % bk == 0 for w in widths), DOT_F32=interpreted,
                                       BM=bm, BN=bn, BK=bk, num_warps=_WARPS, num_stages=_STAGES)
+    if empty := [g for g, w in enumerate(widths) if w == 0]:  # as scaled_mm at K = 0 (not alpha * 0: inf * 0)
+        out[empty] = 0
     return out
