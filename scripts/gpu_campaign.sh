@@ -73,7 +73,8 @@ copy_receipts() {  # FROM TO [ARMS]
     [ -f "$f" ] || continue
     run=$(basename "$(dirname "$f")")
     if [ -n "$arms" ] && ! [[ ",$arms," == *",${run%-seed*},"* ]]; then continue; fi
-    mkdir -p "$ROOT/$to/$run" && cp -n "$f" "$ROOT/$to/$run/"
+    mkdir -p "$ROOT/$to/$run"
+    [ -e "$ROOT/$to/$run/receipt.json" ] || cp "$f" "$ROOT/$to/$run/"  # never over a run already there
   done
   echo "$from -> $to: $(ls "$ROOT/$to"/*/receipt.json 2>/dev/null | wc -l) receipts"
 }
