@@ -13,7 +13,9 @@ methods (kernels/gemm.py) from packed NVFP4 operands (activations 1x16, weights 
 First a tile sweep of scaled_mm at 8192^3 (TMA and pointer loaders) and a correctness check against formats.scaled_mm's
 summation bound at 2048^3; last, the grouped (MoE) GEMM: one launch for E experts with uneven
 rows against a loop of per-expert fp4_mm calls and against BF16 (a cuBLAS loop, and
-torch._grouped_mm where this torch has it), and grouped_scaled_mm alone on decoded operands. These
+torch._grouped_mm where this torch has it), and grouped_scaled_mm alone on decoded operands; then
+moe64's expert wgrad (each expert's tokens contracted): contraction_grouped_mm in one launch
+against the per-expert scaled_mm calls and against BF16. These
 are eager CUDA-event times (the grouped launch copies its tile list to the device), so at this
 size they include Python launch overhead: ~30 launches for fp4_grouped. Writes benchmarks/results/gemm.json and the gemm_*
 keys of latest.json (gemm_fp4_over_bf16: fp4_mm's default method at 8192^3).
@@ -31,12 +33,13 @@ from benchmarks.common import bench_ms, environment, graph_ms, save  # noqa: E40
 from fp4lab import formats, kernels  # noqa: E402
 from fp4lab.kernels.gemm import fp4_mm, grouped_fp4_mm  # noqa: E402
 from fp4lab.kernels import matmul  # noqa: E402
-from fp4lab.kernels.matmul import grouped_scaled_mm, scaled_mm  # noqa: E402
+from fp4lab.kernels.matmul import contraction_grouped_mm, grouped_scaled_mm, scaled_mm  # noqa: E402
 
 SHAPES = [(8192, 8192, 8192), (8192, 4096, 4096), (8192, 14336, 4096), (8192, 4096, 14336), (4096, 4096, 4096)]
 TILES = [(256, 128, 64, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 4), (128, 256, 64, 8, 4),
          (128, 128, 64, 8, 4), (128, 128, 64, 4, 4), (256, 128, 128, 8, 2)]
 GROUPED = dict(experts=8, rows=16384, k=2048, n=2816)  # MoE expert GEMM: 8 experts, uneven token counts
+WGRAD = dict(experts=64, rows=49152, k=512, n=256)  # moe64's expert wgrad: dW_e [N, K] over each expert's tokens
 
 
 def operands(m: int, n: int, k: int):
@@ -113,6 +116,34 @@ def grouped(experts: int, rows: int, k: int, n: int) -> dict:
     return result
 
 
+def grouped_wgrad(experts: int, rows: int, k: int, n: int) -> dict:
+    """Every expert's dW = dy_e^T x_e, each over its own tokens (padded to 32 per expert, as the FP4
+    path pads them): one contraction_grouped_mm launch against the per-expert scaled_mm calls it
+    replaced, and against BF16 (torch._grouped_mm's 2d x 2d form, and a cuBLAS loop)."""
+    weights = torch.rand(experts, generator=torch.Generator().manual_seed(1)) + 0.3
+    sizes = (weights / weights.sum() * rows).long()
+    sizes[-1] += rows - sizes.sum()
+    widths = [s + (-s % 32) for s in sizes.tolist()]
+    dy_vals = torch.randn(n, sum(widths), device="cuda", dtype=torch.bfloat16)  # values as the quantize writes them
+    x_vals = torch.randn(k, sum(widths), device="cuda", dtype=torch.bfloat16)
+    alpha = torch.ones(experts, device="cuda")
+    cols = [slice(a, a + w) for a, w in zip([0, *torch.tensor(widths).cumsum(0).tolist()], widths)]
+    dy_bf16, x_bf16 = dy_vals.T.contiguous(), x_vals.T.contiguous()  # [S, N], [S, K] as BF16 wgrad has them
+    flops = 2 * sum(widths) * n * k
+    times = {"values_loop": bench_ms(lambda: [scaled_mm(dy_vals[:, c], x_vals[:, c], alpha[0]) for c in cols]),
+             "values_grouped": bench_ms(lambda: contraction_grouped_mm(dy_vals, x_vals, widths, alpha)),
+             "bf16_loop": bench_ms(lambda: [dy_bf16[c].T @ x_bf16[c] for c in cols])}
+    if hasattr(torch, "_grouped_mm"):
+        offs = torch.tensor(widths, device="cuda").cumsum(0).to(torch.int32)
+        times["bf16_grouped_mm"] = bench_ms(lambda: torch._grouped_mm(dy_bf16.T, x_bf16, offs=offs))
+    best_bf16 = min(v for key, v in times.items() if key.startswith("bf16"))
+    for key, v in times.items():
+        print(f"wgrad {experts} experts, {rows} rows, N={n} K={k}: {key:16s} {v:.3f} ms {flops / v / 1e9:5.0f} TFLOP/s")
+    return {"widths": widths, "k": k, "n": n, **{f"{key}_ms": v for key, v in times.items()},
+            "grouped_over_loop": times["values_loop"] / times["values_grouped"],
+            "grouped_over_best_bf16": best_bf16 / times["values_grouped"]}
+
+
 def main() -> None:
     worst = check()
     print(f"correctness at 2048^3: max |fp4_mm - scaled_mm| / bound = {worst:.3f}", flush=True)
@@ -132,8 +163,9 @@ def main() -> None:
         rows[f"{m}x{n}x{k}"] = {**{f"{key}_tflops": flops / v / 1e9 for key, v in times.items()},
                                 **{f"{key}_over_bf16": times["bf16"] / v for key, v in times.items() if key != "bf16"}}
     group = grouped(**GROUPED)
+    wgrad = grouped_wgrad(**WGRAD)
     payload = {**environment(), "check_max_over_bound": worst, "tile_sweep_8192_tflops": tiles, "shapes": rows,
-               "grouped": group}
+               "grouped": group, "grouped_wgrad": wgrad}
     print(f"{payload['device']}  torch {payload['torch']}  triton {payload['triton']}")
     print(f"{'M x N x K':18s} {'bf16':>6s} {'decoded':>8s} {'2-stage':>8s} {'values':>7s}   (TFLOP/s; ratios to bf16)")
     for shape, r in rows.items():
@@ -147,7 +179,9 @@ def main() -> None:
                                           "gemm_values_over_bf16": big["values_over_bf16"],
                                           "gemm_grouped_over_fp4_loop": group["grouped_over_fp4_loop"],
                                           "gemm_grouped_over_bf16": group["grouped_over_best_bf16"],
-                                          "gemm_values_grouped_over_bf16": group["values_grouped_over_best_bf16"]}))
+                                          "gemm_values_grouped_over_bf16": group["values_grouped_over_best_bf16"],
+                                          "gemm_wgrad_grouped_over_loop": wgrad["grouped_over_loop"],
+                                          "gemm_wgrad_grouped_over_bf16": wgrad["grouped_over_best_bf16"]}))
 
 
 if __name__ == "__main__":
