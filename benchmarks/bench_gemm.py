@@ -84,11 +84,16 @@ def check(m: int = 2048) -> float:
                for method in ("fused", "two_stage", "decoded"))
 
 
-def grouped(experts: int, rows: int, k: int, n: int) -> dict:
-    weights = torch.rand(experts, generator=torch.Generator().manual_seed(0)) + 0.3
+def uneven(experts: int, rows: int, seed: int) -> list[int]:
+    """``rows`` split over the experts unevenly (as a router splits tokens), every expert some."""
+    weights = torch.rand(experts, generator=torch.Generator().manual_seed(seed)) + 0.3
     sizes = (weights / weights.sum() * rows).long()
     sizes[-1] += rows - sizes.sum()
-    sizes = sizes.tolist()
+    return sizes.tolist()
+
+
+def grouped(experts: int, rows: int, k: int, n: int) -> dict:
+    sizes = uneven(experts, rows, 0)
     xs = [torch.randn(s, k, device="cuda", dtype=torch.bfloat16) for s in sizes]
     ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in sizes]
     qa, qb = [kernels.quantize_nvfp4(x) for x in xs], [kernels.quantize_nvfp4(w, block=(16, 16)) for w in ws]
@@ -120,10 +125,7 @@ def grouped_wgrad(experts: int, rows: int, k: int, n: int) -> dict:
     """Every expert's dW = dy_e^T x_e, each over its own tokens (padded to 32 per expert, as the FP4
     path pads them): one contraction_grouped_mm launch against the per-expert scaled_mm calls it
     replaced, and against BF16 (torch._grouped_mm's 2d x 2d form, and a cuBLAS loop)."""
-    weights = torch.rand(experts, generator=torch.Generator().manual_seed(1)) + 0.3
-    sizes = (weights / weights.sum() * rows).long()
-    sizes[-1] += rows - sizes.sum()
-    widths = [s + (-s % 32) for s in sizes.tolist()]
+    widths = [s + (-s % 32) for s in uneven(experts, rows, 1)]
     dy_vals = torch.randn(n, sum(widths), device="cuda", dtype=torch.bfloat16)  # values as the quantize writes them
     x_vals = torch.randn(k, sum(widths), device="cuda", dtype=torch.bfloat16)
     alpha = torch.ones(experts, device="cuda")
