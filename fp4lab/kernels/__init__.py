@@ -231,8 +231,7 @@ def grouped_values_mm(a: list[BlockValues] | GroupedValues, b: list[BlockValues]
             b_stack = b.values.view(len(b.sizes), b.sizes[0], b.values.shape[1])
         else:
             b_stack = torch.stack([v.matrix for v in b_list])
-        return grouped_scaled_mm(a_rows, b_stack, [va.rows for va in a_list], _alphas(a, b, a_list, b_list),
-                                 out_dtype=out_dtype)
+        return grouped_scaled_mm(a_rows, b_stack, [va.rows for va in a_list], _alphas(a, b), out_dtype=out_dtype)
     return torch.cat([values_mm(va, vb, out_dtype=out_dtype, backend=Backend.REFERENCE)
                       for va, vb in zip(a_list, b_list)])
 
@@ -255,13 +254,8 @@ def contraction_grouped_values_mm(a: list[BlockValues], b: list[BlockValues], *,
                          f"got {[v.rows for v in a]} and {[v.rows for v in b]}")
     if uses_triton(a[0].values, backend) and out_dtype in (torch.float32, torch.bfloat16):
         from .matmul import contraction_grouped_mm
-        scales = [v.tensor_scale for v in (*a, *b)]
-        if any(s is None for s in scales):
-            alphas = torch.stack([operand_alpha(va, vb) for va, vb in zip(a, b)])
-        else:
-            alphas = torch.stack(scales[: len(a)]) * torch.stack(scales[len(a):])
-        return contraction_grouped_mm(_joined_columns(a), _joined_columns(b), [v.values.shape[1] for v in a], alphas,
-                                      out_dtype=out_dtype)
+        return contraction_grouped_mm(_joined_columns(a), _joined_columns(b), [v.values.shape[1] for v in a],
+                                      _alphas(a, b), out_dtype=out_dtype)
     return torch.stack([values_mm(va, vb, out_dtype=out_dtype, backend=Backend.REFERENCE) for va, vb in zip(a, b)])
 
 
@@ -283,13 +277,23 @@ def _groups(ops: list[BlockValues] | GroupedValues) -> list[BlockValues]:
     return ops.groups() if isinstance(ops, GroupedValues) else list(ops)
 
 
-def _alphas(a, b, a_list: list[BlockValues], b_list: list[BlockValues]) -> torch.Tensor:
-    """[G] fp32 S_dec_A,g * S_dec_B,g (operand.alpha per group): one multiply where both sides
-    hold their scales as one tensor."""
-    if isinstance(a, GroupedValues) and isinstance(b, GroupedValues):  # formats checked by the caller
-        if a.tensor_scales is None or b.tensor_scales is None:
-            return torch.ones(len(a_list), dtype=torch.float32, device=a.values.device)
-        return a.tensor_scales * b.tensor_scales
+def _tensor_scales(ops: list[BlockValues] | GroupedValues) -> torch.Tensor | None:
+    """[G] fp32: every group's S_dec as one tensor, or None where some group has none."""
+    if isinstance(ops, GroupedValues):
+        return ops.tensor_scales
+    scales = [v.tensor_scale for v in ops]
+    return None if any(s is None for s in scales) else torch.stack(scales)
+
+
+def _alphas(a: list[BlockValues] | GroupedValues, b: list[BlockValues] | GroupedValues) -> torch.Tensor:
+    """[G] fp32 S_dec_A,g * S_dec_B,g (operand.alpha per group) in one multiply where every group
+    has both scales, ones where a side has none (MXFP4), else per group."""
+    a_scales, b_scales = _tensor_scales(a), _tensor_scales(b)
+    if a_scales is not None and b_scales is not None:
+        return a_scales * b_scales
+    a_list, b_list = _groups(a), _groups(b)
+    if all(v.tensor_scale is None for v in a_list) or all(v.tensor_scale is None for v in b_list):
+        return torch.ones(len(a_list), dtype=torch.float32, device=a_list[0].values.device)
     return torch.stack([operand_alpha(va, vb) for va, vb in zip(a_list, b_list)])
 
 
