@@ -50,6 +50,28 @@ def kernel_ms(fn, reps: int = 10, warmup: int = 3) -> float:
     return total_us / reps / 1e3
 
 
+def host_profile(fn, calls: int, warmup: int = 3, rows: int = 30) -> str:
+    """cProfile of ``calls`` calls of fn() after ``warmup``, by own time and by cumulative time:
+    where the host spends a step's time (launch arguments, Python loops, small tensor ops)."""
+    import cProfile
+    import io
+    import pstats
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    prof.disable()
+    out = io.StringIO()
+    for order in ("tottime", "cumulative"):
+        out.write(f"-- by {order}, {calls} calls\n")
+        pstats.Stats(prof, stream=out).sort_stats(order).print_stats(rows)
+    return out.getvalue()
+
+
 def copy_bandwidth_gbs(numel: int = 1 << 28) -> float:
     """Device-to-device copy of a bf16 tensor, bytes read + written per second."""
     src = torch.randn(numel, device="cuda", dtype=torch.bfloat16)

@@ -19,7 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.bench_linear import bf16_step, nvfp4_step, tensors  # noqa: E402
-from benchmarks.common import RESULTS  # noqa: E402
+from benchmarks.common import RESULTS, host_profile  # noqa: E402
 
 
 def table(step, x, w, dy) -> str:
@@ -33,22 +33,8 @@ def table(step, x, w, dy) -> str:
 
 
 def host_table(step, x, w, dy, calls: int = 50) -> str:
-    """cProfile of ``calls`` steps, by own time: where the host spends its time per step."""
-    import cProfile
-    import io
-    import pstats
-    for _ in range(3):
-        step(x, w, dy)
-    torch.cuda.synchronize()
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(calls):
-        step(x, w, dy)
-    torch.cuda.synchronize()
-    prof.disable()
-    out = io.StringIO()
-    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(30)
-    return out.getvalue()
+    """cProfile of ``calls`` steps: where the host spends its time per step."""
+    return host_profile(lambda: step(x, w, dy), calls)
 
 
 def main() -> None:

@@ -1,11 +1,12 @@
 """Where a training step's time goes, BF16 and FP4, eager and compiled: torch.profiler per arm.
 
-    python benchmarks/profile_model.py [--model d12 --batch 16 --seq 1024] [--runs nvfp4/eager nvfp4/compiled ...]
+    python benchmarks/profile_model.py [--model d12 --batch 16 --seq 1024] [--runs nvfp4/eager nvfp4/compiled ...] [--host]
 
 For each arm/mode (bench_model's steps, the same model and batch), after warm-up: the step's wall
 time, the GPU's busy time (the sum of kernel times) and the kernel launches per step, so a step
 reads as host-bound (wall far above GPU time) or device-bound; then the ops by own CUDA time and
-by own CPU time. Writes benchmarks/results/profile_<model>.txt. bench_model.py gives the ratio;
+by own CPU time. Writes benchmarks/results/profile_<model>.txt. With ``--host``, a cProfile of
+each arm's steps instead (profile_<model>_host.txt): which Python spends the host's time. bench_model.py gives the ratio;
 this gives the why.
 """
 
@@ -21,7 +22,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.bench_model import make_step, step_arguments  # noqa: E402
-from benchmarks.common import RESULTS  # noqa: E402
+from benchmarks.common import RESULTS, host_profile  # noqa: E402
 
 
 def profile_run(arm: str, mode: str, args) -> str:
@@ -47,23 +48,31 @@ def profile_run(arm: str, mode: str, args) -> str:
     return f"{head}\n-- by own CUDA time\n{by_gpu}\n-- by own CPU time\n{by_cpu}\n"
 
 
+def host_run(arm: str, mode: str, args) -> str:
+    step = make_step(arm, mode, args)
+    counter = iter(range(10**9))
+    return f"== {args.model} {arm} {mode}: cProfile\n" + host_profile(lambda: step(next(counter)), args.steps,
+                                                                      warmup=args.warmup, rows=args.rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     step_arguments(parser, warmup=4, steps=2)
     parser.add_argument("--rows", type=int, default=15)
+    parser.add_argument("--host", action="store_true", help="cProfile the host side instead")
     parser.add_argument("--runs", nargs="*", default=["bf16/eager", "nvfp4/eager", "bf16/compiled", "nvfp4/compiled"])
     args = parser.parse_args()
     texts = []
     for run in args.runs:
         arm, mode = run.split("/")
         try:
-            text = profile_run(arm, mode, args)
+            text = (host_run if args.host else profile_run)(arm, mode, args)
         except Exception as exc:  # one arm's failure (a compile error, say) keeps the others' tables
             text = f"== {args.model} {arm} {mode}: failed: {type(exc).__name__}: {exc}\n"
         print(text.splitlines()[0], flush=True)
         texts.append(text)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / f"profile_{args.model.replace('-', '_')}.txt"
+    out = RESULTS / f"profile_{args.model.replace('-', '_')}{'_host' if args.host else ''}.txt"
     out.write_text(f"{torch.cuda.get_device_name()}, batch {args.batch} x {args.seq}\n\n" + "\n".join(texts))
     print(f"wrote {out}")
 

@@ -189,27 +189,24 @@ def quantize_grouped_values(x: torch.Tensor, fmt: str | Format, sizes: list[int]
 
 def quantize_grouped_columns(x: torch.Tensor, fmt: str | Format, widths: list[int], seeds: list[int], *,
                              hadamard=None, hadamard_seeds: list[int] | None = None,
-                             backend: str | Backend | None = None, **kwargs) -> list[BlockValues]:
-    """x: [S, K], groups of ``widths`` rows back to back (each a positive multiple of 32) -> one
-    BlockValues [K, width] per group: quantize_values(x_g, fmt, axis=0, seed=seeds[g],
-    hadamard=hadamard, hadamard_seed=hadamard_seeds[g], **kwargs) as alone (wgrad's operands of
-    MoE experts, their tokens padded per expert): two Triton launches for all of them (views of one
-    [K, S] buffer), or a loop on the reference."""
+                             backend: str | Backend | None = None, **kwargs) -> GroupedValues:
+    """x: [S, K], groups of ``widths`` rows back to back (each a positive multiple of 32) ->
+    GroupedValues along axis 1 ([K, S]): group g's columns are quantize_values(x_g, fmt, axis=0,
+    seed=seeds[g], hadamard=hadamard, hadamard_seed=hadamard_seeds[g], **kwargs) as alone (wgrad's
+    operands of MoE experts, their tokens padded per expert): two Triton launches for all of
+    them, or a loop on the reference joined by one copy."""
     spec = formats.spec_of(fmt)
     h_seeds = hadamard_seeds or [0] * len(widths)
     if uses_triton(x, backend):
         from .quantize import grouped_column_block_values
         values, scales = grouped_column_block_values(x, spec.format, list(widths), list(seeds), hadamard=hadamard,
                                                      hadamard_seeds=list(h_seeds), **kwargs)
-        out, start = [], 0
-        for g, width in enumerate(widths):
-            out.append(BlockValues(values[:, start: start + width], None if scales is None else scales[g],
-                                   x.shape[1], spec.format))
-            start += width
-        return out
+        return GroupedValues(values, scales, tuple(widths), spec.format, axis=1)
     rotation = {} if hadamard is None else {"hadamard": hadamard}
-    return [BlockValues.of(spec.quantize(xg, axis=0, seed=seed, pad=False, hadamard_seed=h, **rotation, **kwargs))
-            for xg, seed, h in zip(x.split(list(widths)), seeds, h_seeds)]
+    parts = [BlockValues.of(spec.quantize(xg, axis=0, seed=seed, pad=False, hadamard_seed=h, **rotation, **kwargs))
+             for xg, seed, h in zip(x.split(list(widths)), seeds, h_seeds)]
+    return GroupedValues(torch.cat([p.matrix for p in parts], dim=1), _tensor_scales(parts), tuple(widths),
+                         spec.format, axis=1)
 
 
 def grouped_values_mm(a: list[BlockValues] | GroupedValues, b: list[BlockValues] | GroupedValues, *,
@@ -217,7 +214,13 @@ def grouped_values_mm(a: list[BlockValues] | GroupedValues, b: list[BlockValues]
     """One C_g = alpha_g * (A_g @ B_g^T) per group (MoE experts: a[g] has m_g rows, every b[g]
     the same N rows and K) -> [sum m_g, N] ``out_dtype``: one Triton launch
     (kernels.matmul.grouped_scaled_mm), or values_mm per group on the reference. Groups come as
-    lists of BlockValues or as GroupedValues (no copy to join them)."""
+    lists of BlockValues or as row GroupedValues, taken whole (no per-group views, no copy)."""
+    if isinstance(a, GroupedValues) and isinstance(b, GroupedValues) and a.axis == b.axis == 0:
+        _check_grouped_pair(a, b)
+        if (uses_triton(a.values, backend) and out_dtype in (torch.float32, torch.bfloat16)
+                and len(set(b.sizes)) == 1):
+            from .matmul import grouped_scaled_mm
+            return grouped_scaled_mm(a.values, _stacked(b), a.sizes, _alphas(a, b), out_dtype=out_dtype)
     a_list, b_list = _groups(a), _groups(b)
     if len(a_list) != len(b_list) or not a_list:
         raise ValueError(f"grouped_values_mm takes as many A as B operands (at least one), got {len(a_list)} "
@@ -226,24 +229,28 @@ def grouped_values_mm(a: list[BlockValues] | GroupedValues, b: list[BlockValues]
         _check_values_pair(va, vb)
     if uses_triton(a_list[0].values, backend) and out_dtype in (torch.float32, torch.bfloat16):
         from .matmul import grouped_scaled_mm
-        a_rows = a.values if isinstance(a, GroupedValues) else torch.cat([v.matrix for v in a_list])
-        if isinstance(b, GroupedValues) and len(set(b.sizes)) == 1:
-            b_stack = b.values.view(len(b.sizes), b.sizes[0], b.values.shape[1])
-        else:
-            b_stack = torch.stack([v.matrix for v in b_list])
+        a_rows = a.values if isinstance(a, GroupedValues) and a.axis == 0 else torch.cat([v.matrix for v in a_list])
+        b_stack = _stacked(b) if isinstance(b, GroupedValues) else torch.stack([v.matrix for v in b_list])
         return grouped_scaled_mm(a_rows, b_stack, [va.rows for va in a_list], _alphas(a, b), out_dtype=out_dtype)
     return torch.cat([values_mm(va, vb, out_dtype=out_dtype, backend=Backend.REFERENCE)
                       for va, vb in zip(a_list, b_list)])
 
 
-def contraction_grouped_values_mm(a: list[BlockValues], b: list[BlockValues], *, out_dtype: torch.dtype = torch.float32,
+def contraction_grouped_values_mm(a: list[BlockValues] | GroupedValues, b: list[BlockValues] | GroupedValues, *,
+                                  out_dtype: torch.dtype = torch.float32,
                                   backend: str | Backend | None = None) -> torch.Tensor:
     """One C_g = alpha_g * (A_g @ B_g^T) per group, every a[g] the same M rows and every b[g] the
     same N rows, the contraction length each group's own (MoE wgrad: each expert's padded tokens)
     -> [G, M, N] ``out_dtype``, each C_g what values_mm(a[g], b[g]) gives: one Triton launch
-    (kernels.matmul.contraction_grouped_mm; groups that are column slices of one buffer, as
-    quantize_grouped_columns writes them, are read in place), or values_mm per group on the
-    reference."""
+    (kernels.matmul.contraction_grouped_mm; column GroupedValues, as quantize_grouped_columns
+    writes them, and listed groups that are column slices of one buffer are read in place), or
+    values_mm per group on the reference."""
+    if isinstance(a, GroupedValues) and isinstance(b, GroupedValues) and a.axis == b.axis == 1:
+        _check_grouped_pair(a, b)
+        if uses_triton(a.values, backend) and out_dtype in (torch.float32, torch.bfloat16):
+            from .matmul import contraction_grouped_mm
+            return contraction_grouped_mm(a.values, b.values, a.sizes, _alphas(a, b), out_dtype=out_dtype)
+    a, b = _groups(a), _groups(b)
     if len(a) != len(b) or not a:
         raise ValueError(f"contraction_grouped_values_mm takes as many A as B operands (at least one), got {len(a)} "
                          f"and {len(b)}")
@@ -257,6 +264,24 @@ def contraction_grouped_values_mm(a: list[BlockValues], b: list[BlockValues], *,
         return contraction_grouped_mm(_joined_columns(a), _joined_columns(b), [v.values.shape[1] for v in a],
                                       _alphas(a, b), out_dtype=out_dtype)
     return torch.stack([values_mm(va, vb, out_dtype=out_dtype, backend=Backend.REFERENCE) for va, vb in zip(a, b)])
+
+
+def _stacked(b: GroupedValues) -> torch.Tensor:
+    """[G, N, Lp]: row groups of one size N as a stack (a view where they are, else one copy)."""
+    if b.axis == 0 and len(set(b.sizes)) == 1:
+        return b.values.view(len(b.sizes), b.sizes[0], b.values.shape[1])
+    return torch.stack([v.matrix for v in b.groups()])
+
+
+def _check_grouped_pair(a: GroupedValues, b: GroupedValues) -> None:
+    """What _check_values_pair asks of every group's pair, asked once of two GroupedValues along
+    the same axis: as many groups, one format, one contraction length per group."""
+    contraction = (a.values.shape[1], b.values.shape[1]) if a.axis == 0 else (a.sizes, b.sizes)
+    if len(a.sizes) != len(b.sizes) or not a.sizes or contraction[0] != contraction[1]:
+        raise ValueError(f"grouped operands do not pair: {len(a.sizes)} and {len(b.sizes)} groups, "
+                         f"values {tuple(a.values.shape)} and {tuple(b.values.shape)} along axis {a.axis}")
+    if a.format is not b.format:
+        raise ValueError(f"GEMM operands must share a format, got {a.format} and {b.format}")
 
 
 def _joined_columns(ops: list[BlockValues]) -> torch.Tensor:
@@ -291,6 +316,10 @@ def _alphas(a: list[BlockValues] | GroupedValues, b: list[BlockValues] | Grouped
     a_scales, b_scales = _tensor_scales(a), _tensor_scales(b)
     if a_scales is not None and b_scales is not None:
         return a_scales * b_scales
+    if any(isinstance(ops, GroupedValues) and ops.tensor_scales is None for ops in (a, b)):  # MXFP4, no listing
+        values = a.values if isinstance(a, GroupedValues) else a[0].values
+        return torch.ones(len(a.sizes) if isinstance(a, GroupedValues) else len(a), dtype=torch.float32,
+                          device=values.device)
     a_list, b_list = _groups(a), _groups(b)
     if all(v.tensor_scale is None for v in a_list) or all(v.tensor_scale is None for v in b_list):
         return torch.ones(len(a_list), dtype=torch.float32, device=a_list[0].values.device)

@@ -13,8 +13,9 @@ packed codes and reading them back.
     format        the block format the values came from
 
 ``GroupedValues`` holds the operands of a grouped GEMM's groups (MoE experts) as one tensor,
-their rows back to back, with one tensor scale per group: what one quantize launch writes for
-all of them (``groups()`` gives each as BlockValues, views of the same memory).
+their rows (or, for wgrad, their columns) back to back, with one tensor scale per group: what one
+quantize launch writes for all of them (``groups()`` gives each as BlockValues, views of the same
+memory). The grouped GEMMs take it whole: no per-expert objects on the host.
 
 Public: ``BlockValues``, ``GroupedValues``.
 """
@@ -66,20 +67,37 @@ class BlockValues(NamedTuple):
 @dataclass(frozen=True)
 class GroupedValues:
     values: torch.Tensor
-    """[sum(sizes), Lp] bf16: group g's block values in rows sizes[:g].sum() onwards."""
+    """Every group's block values in one bf16 tensor, the groups back to back along ``axis``."""
     tensor_scales: torch.Tensor | None
     """[G] fp32 S_dec per group (NVFP4), else None."""
     sizes: tuple[int, ...]
     format: Format
+    axis: int = 0
+    """0: group g is rows sizes[:g].sum() onwards of values [sum(sizes), Lp] (fprop's and dgrad's
+    operands, blocks along each row); 1: group g is columns sizes[:g].sum() onwards of values
+    [rows, sum(sizes)], every group holding all rows (wgrad's operands, blocks along the tokens)."""
 
     def groups(self) -> list[BlockValues]:
         """Each group's operand (views, no copy)."""
         out, start = [], 0
-        for g, rows in enumerate(self.sizes):
+        for g, size in enumerate(self.sizes):
             scale = None if self.tensor_scales is None else self.tensor_scales[g]
-            out.append(BlockValues(self.values[start: start + rows], scale, rows, self.format))
-            start += rows
+            if self.axis == 0:
+                out.append(BlockValues(self.values[start: start + size], scale, size, self.format))
+            else:
+                out.append(BlockValues(self.values[:, start: start + size], scale, self.values.shape[0], self.format))
+            start += size
         return out
+
+    def transposed(self, rows: int) -> "GroupedValues":
+        """Every group's BlockValues.transposed(rows) as one GroupedValues (one copy): row groups of
+        one size n (a stack of 16x16-tiled [n, Lp] weights) -> groups of ``rows`` rows and n columns,
+        what dgrad multiplies (an MoE projection's weights read along their other axis)."""
+        if self.axis != 0 or len(set(self.sizes)) != 1:
+            raise ValueError(f"transposed takes row groups of one size, got axis {self.axis}, sizes {self.sizes}")
+        g, n = len(self.sizes), self.sizes[0]
+        stack = self.values.view(g, n, self.values.shape[1]).transpose(1, 2)[:, :rows]
+        return GroupedValues(stack.reshape(g * rows, n), self.tensor_scales, (rows,) * g, self.format)
 
 
 def alpha(a: BlockValues, b: BlockValues) -> torch.Tensor:

@@ -51,9 +51,9 @@ import torch.nn.functional as F
 from .. import kernels
 from ..formats import Rounding
 from ..kernels import BlockValues, GroupedValues
-from .quant import (Rotation, derive_seed, dither, fuses_rotation, gemm_dtype, operand_knobs, quantize_operand,
+from .quant import (Rotation, derive_seed, derive_seeds, dither, fuses_rotation, gemm_dtype, operand_knobs, quantize_operand,
                     rotation_for, run_gemm)
-from .recipe import BF16_GEMM, GEMMS, Recipe
+from .recipe import BF16_GEMM, GEMMS, HadamardMode, Recipe
 
 WGRAD_ROW_MULTIPLE = 32  # lcm of the block sizes (16, 32) and Hadamard sizes (16, 32)
 
@@ -128,6 +128,19 @@ class Call:
                 and d.a.quantized and self.stats is None)
 
 
+def _group_seeds(calls: list[Call], gemm: str, side: str) -> list[int]:
+    """[c.seed(gemm, side) for c in calls], derived for every group in one array pass."""
+    return derive_seeds([c.root for c in calls], GEMMS.index(gemm), ord(side))
+
+
+def _group_rotation_seeds(calls: list[Call], gemm: str) -> list[int]:
+    """[c.rotation(gemm).seed for c in calls] where ``gemm`` rotates: per-call random signs
+    re-drawn for every group at once; any other rotation's seed is the recipe's, shared."""
+    if calls[0].recipe.gemm(gemm).hadamard is HadamardMode.RANDOM:
+        return _group_seeds(calls, gemm, "h")
+    return [calls[0].rotation(gemm).seed] * len(calls)
+
+
 @torch.compiler.assume_constant_result  # a constant per layer: torch.compile folds it instead of tracing crc32
 def layer_key(name: str) -> int:
     """A stable integer per module name: seeds differ per layer and survive reordering."""
@@ -176,12 +189,12 @@ def _all_at_once(t: torch.Tensor, rows: list[int], calls: list[Call], gemm: str,
     if (not op.quantized or spec.rotated or op.dither or call.stats is not None
             or (op.block2d and any(n % 16 for n in rows))):
         return None
-    return kernels.quantize_grouped_values(t, op.format, rows, [c.seed(gemm, side) for c in calls],
+    return kernels.quantize_grouped_values(t, op.format, rows, _group_seeds(calls, gemm, side),
                                            rounding=op.rounding, pad=True, **operand_knobs(op))
 
 
 def _wgrad_all_at_once(dy: torch.Tensor, x: torch.Tensor, rows: list[int], calls: list[Call]
-                       ) -> list[tuple[BlockValues, BlockValues]] | None:
+                       ) -> tuple[GroupedValues, GroupedValues] | None:
     """Every group's wgrad operands (dy_g and x_g along their tokens, each padded to a multiple of
     32 as the per-group path pads them) in one grouped quantize per side, where that is the same
     as Call.operand per group: both sides FP4 in 1-row blocks, any rotation fused into the
@@ -196,15 +209,12 @@ def _wgrad_all_at_once(dy: torch.Tensor, x: torch.Tensor, rows: list[int], calls
             and (rotation is None or fused and fuses_rotation(op, rotation)) for op in (spec.a, spec.b))):
         return None
     widths = [n + (-n % WGRAD_ROW_MULTIPLE) for n in rows]
-    h_seeds = [c.rotation("wgrad").seed for c in calls] if rotation is not None else None
-    sides = []
-    for t, side in ((dy, "a"), (x, "b")):
-        op = getattr(spec, side)
-        sides.append(kernels.quantize_grouped_columns(
-            _pad_groups(t, rows, widths), op.format, widths, [c.seed("wgrad", side) for c in calls],
-            hadamard=None if rotation is None else rotation.signs, hadamard_seeds=h_seeds, rounding=op.rounding,
-            **operand_knobs(op)))
-    return list(zip(*sides))
+    h_seeds = _group_rotation_seeds(calls, "wgrad") if rotation is not None else None
+    a, b = (kernels.quantize_grouped_columns(
+        _pad_groups(t, rows, widths), op.format, widths, _group_seeds(calls, "wgrad", side),
+        hadamard=None if rotation is None else rotation.signs, hadamard_seeds=h_seeds, rounding=op.rounding,
+        **operand_knobs(op)) for t, side, op in ((dy, "a", spec.a), (x, "b", spec.b)))
+    return a, b
 
 
 def _pad_groups(t: torch.Tensor, rows: list[int], widths: list[int]) -> torch.Tensor:
@@ -268,7 +278,7 @@ def gemms_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if keep:
         saved["w_src"] = w_src if fprop.b.dither else None  # dithered copies (else weight[g] itself)
         reuse = w_fprop is not None and calls[0].dgrad_reuses_fprop_weight()
-        saved["w_values"] = (w_fprop.groups() if isinstance(w_fprop, GroupedValues) else w_fprop) if reuse else None
+        saved["w_values"] = w_fprop if reuse else None
     return y, saved
 
 
@@ -291,8 +301,12 @@ def gemms_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, size
     if need_dx:
         if dgrad.quantized or dgrad.rotated:
             k = weight.shape[2]
-            w_ops = ([v.transposed(k) for v in w_values] if w_values is not None
-                     else [calls[g].operand(w, 0, "dgrad", "b") for g, w in zip(live, w_src)])
+            if isinstance(w_values, GroupedValues):  # every expert's tiles, transposed in one copy
+                w_ops = w_values.transposed(k)
+            elif w_values is not None:
+                w_ops = [v.transposed(k) for v in w_values]
+            else:
+                w_ops = [calls[g].operand(w, 0, "dgrad", "b") for g, w in zip(live, w_src)]
             a = grouped and _all_at_once(dy, rows, live_calls, "dgrad", "a")
             a = a or [calls[g].operand(dyg, 1, "dgrad", "a") for g, dyg in zip(live, dys)]
             dx = _multiply(a, 1, w_ops, 0, grouped, tuple(x.shape), dy)
@@ -307,10 +321,9 @@ def gemms_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, size
         for g, rows in enumerate(sizes):
             if not rows:  # an expert without rows gets an exact zero gradient, whatever the kernel leaves
                 dw[g].zero_()
-    elif need_dw and grouped and (pairs := _wgrad_all_at_once(dy, x, rows, live_calls)) is not None:
+    elif need_dw and grouped and (pair := _wgrad_all_at_once(dy, x, rows, live_calls)) is not None:
         # one launch for every expert, each contracting its own (padded) tokens
-        a, b = zip(*pairs)
-        dw_live = kernels.contraction_grouped_values_mm(list(a), list(b), out_dtype=gemm_dtype(dy.dtype)).to(dy.dtype)
+        dw_live = kernels.contraction_grouped_values_mm(*pair, out_dtype=gemm_dtype(dy.dtype)).to(dy.dtype)
         if len(live) == weight.shape[0] and dw_live.dtype == weight.dtype:
             dw = dw_live
         else:

@@ -26,14 +26,16 @@ Seeds: ``derive_seed(root, *parts)`` (SplitMix64 over the parts) gives every sto
 its own stream from the recipe seed, the layer, the step and the GEMM, so runs replay exactly
 and nothing draws from torch's global generator.
 
-Public: ``Rotation``, ``derive_seed``, ``rotation_for``, ``quantize_operand``, ``run_gemm``,
+Public: ``Rotation``, ``derive_seed``, ``derive_seeds``, ``rotation_for``, ``quantize_operand``, ``run_gemm``,
 ``dither``, ``gemm_dtype``, ``operand_knobs``, ``fuses_rotation``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from .. import kernels
@@ -56,6 +58,19 @@ def derive_seed(*parts: int) -> int:
         h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & _MASK64
         h ^= h >> 31
     return h >> 1
+
+
+def derive_seeds(firsts: Sequence[int], *parts: int) -> list[int]:
+    """[derive_seed(f, *parts) for f in firsts], folded for all of them at once (an MoE
+    projection's experts: one pass of array arithmetic instead of a Python fold per expert;
+    numpy's uint64 arithmetic wraps as the masks above do)."""
+    h = np.full(len(firsts), 0x9E3779B97F4A7C15, dtype=np.uint64)
+    for part in (np.array([f & _MASK64 for f in firsts], dtype=np.uint64), *(np.uint64(p & _MASK64) for p in parts)):
+        h ^= part
+        h = (h ^ (h >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        h = (h ^ (h >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        h ^= h >> np.uint64(31)
+    return (h >> np.uint64(1)).tolist()
 
 
 class Rotation(NamedTuple):

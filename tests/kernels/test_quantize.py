@@ -259,6 +259,22 @@ def test_grouped_values_gemm_equals_the_listed_operands():
     joined = kernels.grouped_values_mm(a, b, backend="triton")
     listed = kernels.grouped_values_mm(a.groups(), b.groups(), backend="triton")
     assert torch.equal(joined, listed)
+    assert torch.equal(kernels.grouped_values_mm(a.groups(), b, backend="triton"), listed)  # b a stack view
+    # dgrad's operand: every expert's 16x16 tiles read along the other axis, one copy, the bits of
+    # each expert's BlockValues.transposed
+    dy = torch.randn(32, 16, device=DEVICE)
+    a_dgrad = kernels.quantize_grouped_values(dy, "nvfp4", sizes, [7, 8, 9], backend="triton", pad=True)
+    w_t = b.transposed(64)
+    assert w_t.sizes == (64,) * 3 and w_t.values.shape == (3 * 64, 16)
+    for got, alone in zip(w_t.groups(), b.groups()):
+        assert torch.equal(got.matrix, alone.transposed(64).matrix) and torch.equal(got.tensor_scale, alone.tensor_scale)
+    assert torch.equal(kernels.grouped_values_mm(a_dgrad, w_t, backend="triton"),
+                       kernels.grouped_values_mm(a_dgrad.groups(), [v.transposed(64) for v in b.groups()],
+                                                 backend="triton"))
+    with pytest.raises(ValueError, match="do not pair"):
+        kernels.grouped_values_mm(a, w_t, backend="triton")  # K 64 against 16
+    with pytest.raises(ValueError, match="row groups of one size"):
+        a.transposed(64)
     reference = kernels.grouped_values_mm(a, b, backend="reference")
     torch.testing.assert_close(joined.cpu(), reference.cpu(), rtol=1e-5, atol=1e-5)  # fp32 summation order
 
@@ -282,7 +298,12 @@ def test_grouped_columns_quantize_is_each_group_quantized_alone(fmt, widths, col
     fast = kernels.quantize_grouped_columns(x.to(DEVICE), fmt, widths, seeds, hadamard=hadamard, hadamard_seeds=h_seeds,
                                             backend="triton", **kw)
     rotation = {} if hadamard is None else dict(hadamard=hadamard)
-    for g, (got, xg) in enumerate(zip(fast, x.split(widths))):
+    assert fast.axis == 1 and fast.sizes == tuple(widths) and fast.values.shape == (cols, sum(widths))
+    reference = kernels.quantize_grouped_columns(x, fmt, widths, seeds, hadamard=hadamard, hadamard_seeds=h_seeds,
+                                                 backend="reference", **kw)
+    assert_same_values(kernels.BlockValues(fast.values, None, cols, fast.format),
+                       kernels.BlockValues(reference.values, None, cols, reference.format))
+    for g, (got, xg) in enumerate(zip(fast.groups(), x.split(widths))):
         alone = formats.spec_of(fmt).quantize(xg, axis=0, seed=seeds[g], hadamard_seed=h_seeds[g], **rotation, **kw)
         assert_same_values(got, kernels.BlockValues.of(alone))
 
@@ -297,16 +318,18 @@ def test_contraction_grouped_gemm_is_each_wgrad_alone(fmt, monkeypatch):
     torch.manual_seed(1)
     widths = [32, 96, 64]
     dy, x = torch.randn(sum(widths), 48, device=DEVICE), torch.randn(sum(widths), 80, device=DEVICE)
-    a = kernels.quantize_grouped_columns(dy, fmt, widths, [1, 2, 3], backend="triton")
-    b = kernels.quantize_grouped_columns(x, fmt, widths, [4, 5, 6], backend="triton", rounding="stochastic")
-    got = kernels.contraction_grouped_values_mm(a, b, backend="triton")
+    grouped_a = kernels.quantize_grouped_columns(dy, fmt, widths, [1, 2, 3], backend="triton")
+    grouped_b = kernels.quantize_grouped_columns(x, fmt, widths, [4, 5, 6], backend="triton", rounding="stochastic")
+    got = kernels.contraction_grouped_values_mm(grouped_a, grouped_b, backend="triton")  # taken whole
     assert got.shape == (3, 48, 80)
+    a, b = grouped_a.groups(), grouped_b.groups()
+    assert torch.equal(kernels.contraction_grouped_values_mm(a, b, backend="triton"), got)  # listed
     assert kernels._joined_columns(a).data_ptr() == a[0].values.data_ptr()  # read in place, no copy
     for g, (va, vb) in enumerate(zip(a, b)):
         assert torch.equal(got[g], kernels.values_mm(va, vb, backend="triton"))
     copied = [kernels.BlockValues(v.values.clone(), v.tensor_scale, v.rows, v.format) for v in a]
     assert torch.equal(kernels.contraction_grouped_values_mm(copied, b, backend="triton"), got)
-    reference = kernels.contraction_grouped_values_mm(a, b, backend="reference")
+    reference = kernels.contraction_grouped_values_mm(grouped_a, grouped_b, backend="reference")
     torch.testing.assert_close(got.cpu(), reference.cpu(), rtol=1e-5, atol=1e-5)  # fp32 summation order
     with pytest.raises(ValueError, match="same rows"):
         kernels.contraction_grouped_values_mm(a[:1] + copied[1:2], [b[0], kernels.BlockValues(

@@ -24,13 +24,14 @@ def _per_expert_loop(x, w, counts, recipe, *, name, context, label="", keys=None
     return torch.cat(outs) if outs else x.new_zeros(x.shape[0], w.shape[1])
 
 
-def _run(recipe, grouped: bool, backend: str, monkeypatch):
+def _run(recipe, grouped: bool, backend: str, monkeypatch, *, all_live: bool = False):
     monkeypatch.setenv("FP4LAB_BACKEND", backend)
     if not grouped:
         monkeypatch.setattr(moe_module, "grouped_fp4_linear", _per_expert_loop)
     torch.manual_seed(0)
     moe = MoE(64, MoEConfig(n_experts=4, top_k=2, n_shared=0, expert_hidden=64)).to(DEVICE)
-    moe.bias.copy_(torch.tensor([0.0, 0.0, -5.0, 0.0]))  # expert 2 gets no rows
+    if not all_live:
+        moe.bias.copy_(torch.tensor([0.0, 0.0, -5.0, 0.0]))  # expert 2 gets no rows
     context = quantize_model(torch.nn.Sequential(moe), recipe)
     context.tick = 7
     x = torch.randn(2, 24, 64, device=DEVICE, requires_grad=True)
@@ -43,16 +44,21 @@ def _run(recipe, grouped: bool, backend: str, monkeypatch):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("name", ["nvfp4", "mxfp4", "fprop", "late_bf16"])
+@pytest.mark.parametrize("name", ["nvfp4", "nvfp4_all_live", "mxfp4", "fprop", "late_bf16"])
 def test_grouped_experts_equal_the_per_expert_loop(name, backend, monkeypatch):
     """(late_bf16: NVIDIA's recipe after its switch to BF16, the body's BF16 grouped GEMMs; the
-    bf16 recipe itself swaps nothing, its experts run torch._grouped_mm without the body.)"""
+    bf16 recipe itself swaps nothing, its experts run torch._grouped_mm without the body.
+    nvfp4_all_live: every expert gets rows, so fprop quantizes all experts' weights in one launch
+    and dgrad multiplies those tiles transposed, as one GroupedValues.)"""
+    all_live = name == "nvfp4_all_live"
+    name = "nvfp4" if all_live else name
     overrides = {"keep_first": 0, "keep_last": 0} | ({"bf16_after": 0.0} if name == "late_bf16" else {})
     recipe = preset("nvfp4" if name == "late_bf16" else name)
     recipe = recipe.override(overrides) if name in ("nvfp4", "late_bf16") else recipe
-    grouped = _run(recipe, True, backend, monkeypatch)
-    loop = _run(recipe, False, backend, monkeypatch)
-    assert float(grouped[2][2].abs().max()) == 0  # the expert without rows gets no gradient
+    grouped = _run(recipe, True, backend, monkeypatch, all_live=all_live)
+    loop = _run(recipe, False, backend, monkeypatch, all_live=all_live)
+    if not all_live:
+        assert float(grouped[2][2].abs().max()) == 0  # the expert without rows gets no gradient
     for g, ref in zip(grouped, loop):
         if backend == "reference":  # the same operands and the same fp32 matmuls: bit for bit
             assert torch.equal(g, ref)
