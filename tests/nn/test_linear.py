@@ -4,6 +4,7 @@ import dataclasses
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 from torch import nn
 
 from fp4lab.formats import Format
@@ -13,7 +14,7 @@ from fp4lab.nn import gemms as G
 from fp4lab.nn import linear as L
 from fp4lab.nn.gemms import make_call
 from fp4lab.nn.linear import FP4Linear, QuantContext, fp4_linear
-from fp4lab.nn.quant import derive_seed, rotation_for
+from fp4lab.nn.quant import derive_seed, derive_seeds, rotation_for
 from fp4lab.nn.recipe import (GEMMS, PRESETS, GemmSpec, HadamardMode, Operand, Recipe, bf16,
                               nvfp4, preset)
 
@@ -273,3 +274,24 @@ def test_a_bf16_forward_context_serves_fp4_weights_in_bf16(name):
         want, served, quantized = ref(x), layer(x), fp4(x)
     assert torch.equal(served, want)
     assert not torch.equal(quantized, want)
+
+
+@settings(max_examples=200, deadline=None)
+@given(firsts=st.lists(st.integers(-(2**63), 2**64 - 1), max_size=70),
+       parts=st.lists(st.integers(-(2**63), 2**64 - 1), max_size=4))
+def test_seeds_of_every_group_at_once_equal_the_fold_per_group(firsts, parts):
+    """derive_seeds (an MoE projection's experts in one uint64 array pass) is derive_seed per
+    element, wrap-around and negative parts included."""
+    assert derive_seeds(firsts, *parts) == [derive_seed(f, *parts) for f in firsts]
+
+
+@pytest.mark.parametrize("gemm, hadamard", [("wgrad", HadamardMode.RANDOM), ("wgrad", HadamardMode.FIXED),
+                                            ("wgrad", HadamardMode.DETERMINISTIC), ("fprop", HadamardMode.NONE)])
+def test_group_seeds_are_each_calls_seeds(gemm, hadamard):
+    recipe = nvfp4().override({"wgrad.hadamard": hadamard.value, "wgrad.hadamard_size": 32 if
+                               hadamard is HadamardMode.FIXED else 16})
+    calls = [make_call(recipe, f"blocks.1.moe.up.{e}", QuantContext(tick=11)) for e in range(9)]
+    for side in "ab":
+        assert G._group_seeds(calls, gemm, side) == [c.seed(gemm, side) for c in calls]
+    if hadamard is not HadamardMode.NONE:
+        assert G._group_rotation_seeds(calls, gemm) == [c.rotation(gemm).seed for c in calls]
