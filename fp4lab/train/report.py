@@ -13,11 +13,11 @@ run whose seed has no baseline run says so instead of borrowing another seed's.
     loss.png    validation-loss curves (train loss faint) against tokens, every run
     gap.png     the mean paired gap to the baseline against tokens, per arm, with its 95% band
 ``final_loss``, ``runs_by_arm``, ``paired_gap`` and ``served_lines`` (an FP4 arm's gap split
-into its forward's and its weights' shares, where receipts hold a BF16-forward evaluation) are
-shared with the study reports.
+into its forward's and its weights' shares, where receipts hold a BF16-forward evaluation; arms
+against an FP4 baseline compared with both served in BF16) are shared with the study reports.
 
 Public: ``load_receipts``, ``arm_name``, ``runs_by_arm``, ``final_loss``, ``paired_gap``,
-``baseline_arm``, ``gap_table``, ``arm_table``, ``served_lines``, ``plots``, ``report``.
+``baseline_arm``, ``gap_table``, ``arm_table``, ``served_lines``, ``served_bf16``, ``plots``, ``report``.
 """
 
 from __future__ import annotations
@@ -106,13 +106,14 @@ def served_lines(runs: dict[str, dict[int, Receipt]], baselines: dict[str, str |
     def served(r: Receipt) -> float | None:
         return r.final.bf16_forward_val_loss
 
-    rows = []
+    rows, fp4_based = [], []
     for arm, seeds in runs.items():
         base = baselines.get(arm)
         if base is None or base == arm or base not in runs:
             continue
         if any(served(r) is not None for r in runs[base].values()):
-            continue  # an FP4 baseline: its own forward's share would hide in the weights' column
+            fp4_based.append(arm)  # an FP4 baseline: its own forward's share would hide in the weights' column
+            continue
         shared = [s for s in sorted(set(seeds) & set(runs[base]))
                   if served(seeds[s]) is not None and math.isfinite(served(seeds[s]))
                   and math.isfinite(final_loss(seeds[s])) and math.isfinite(final_loss(runs[base][s]))]
@@ -123,13 +124,56 @@ def served_lines(runs: dict[str, dict[int, Receipt]], baselines: dict[str, str |
         weights = interval({s: served(seeds[s]) - final_loss(runs[base][s]) for s in shared}, base_mean=base_mean)
         rows.append(f"| {arm} | {len(shared)} | {_mean_sd([served(seeds[s]) for s in shared])} | "
                     f"{forward.text()} | {weights.text()} |")
+    lines = [] if not rows else [
+        "", "The FP4 arms' final weights served with a BF16 forward (the same weights, every GEMM in "
+        "BF16): the gap to the baseline split into the FP4 forward's share at inference and the share "
+        "FP4 training left in the weights.", "",
+        "| arm | seeds | final val, BF16 forward | FP4 forward - BF16 forward, nats [95% CI] (%) | "
+        "BF16 forward - baseline, nats [95% CI] (%) |", "|---|---|---|---|---|", *rows]
+    return lines + _same_forward_lines(runs, baselines, fp4_based)
+
+
+def served_bf16(receipt: Receipt) -> float | None:
+    """The final validation loss of the run's weights served with a BF16 forward: its BF16-forward
+    evaluation, or its final loss where its last steps ran no FP4 forward anyway (BF16, a late
+    switch of the forward); None for an FP4-forward run whose receipt has no such evaluation."""
+    if receipt.final.bf16_forward_val_loss is not None:
+        return receipt.final.bf16_forward_val_loss
+    final = Recipe.from_dict(receipt.recipe).at_progress(1.0)
+    return None if final.fprop.quantized or final.fprop.rotated else final_loss(receipt)
+
+
+def _same_forward_lines(runs: Runs, baselines: dict[str, str | None], arms: list[str]) -> list[str]:
+    """Arms against an FP4 baseline compared with both sides served in BF16: an arm that ends
+    with a BF16 forward (a late switch) is otherwise evaluated at another precision than its
+    baseline, and its gain would mix better weights with the evaluation's forward."""
+    def served_gap(arm: str, base: str) -> tuple[list[int], Interval | None]:
+        shared = [s for s in sorted(set(runs[arm]) & set(runs[base]))
+                  if all(v is not None and math.isfinite(v) for v in (served_bf16(runs[arm][s]),
+                                                                      served_bf16(runs[base][s])))]
+        if not shared:
+            return [], None
+        return shared, interval({s: served_bf16(runs[arm][s]) - served_bf16(runs[base][s]) for s in shared},
+                                base_mean=statistics.fmean(served_bf16(runs[base][s]) for s in shared))
+
+    plain = baseline_arm(runs)
+    rows = []
+    for arm in arms:
+        shared, gap = served_gap(arm, baselines[arm])
+        if not shared:
+            continue
+        to_plain = served_gap(arm, plain)[1] if plain is not None else None
+        rows.append(f"| {arm} - {baselines[arm]} | {len(shared)} | "
+                    f"{_mean_sd([served_bf16(runs[arm][s]) for s in shared])} | {gap.text()} | {separation(gap)} | "
+                    f"{to_plain.text() if to_plain is not None else '-'} |")
     if not rows:
         return []
-    return ["", "The FP4 arms' final weights served with a BF16 forward (the same weights, every GEMM in "
-            "BF16): the gap to the baseline split into the FP4 forward's share at inference and the share "
-            "FP4 training left in the weights.", "",
-            "| arm | seeds | final val, BF16 forward | FP4 forward - BF16 forward, nats [95% CI] (%) | "
-            "BF16 forward - baseline, nats [95% CI] (%) |", "|---|---|---|---|---|", *rows]
+    return ["", "The same comparisons with both arms' final weights served with a BF16 forward, so that "
+            "an arm whose last steps ran a BF16 forward (a late switch) is not scored at another "
+            "precision than its baseline: what the arm changed in the weights. The last column is the "
+            f"arm's weights against the plain BF16 arm ({plain or 'none here'}), the same way.", "",
+            "| comparison | seeds | arm's final val, BF16 forward | paired, both BF16 forward, nats [95% CI] (%) | "
+            "separated? | weights' gap to BF16, nats [95% CI] (%) |", "|---|---|---|---|---|---|", *rows]
 
 
 def separation(iv: Interval | None) -> str:

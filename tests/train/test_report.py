@@ -7,7 +7,8 @@ import json
 import pytest
 
 from fp4lab.train.receipt import Receipt
-from fp4lab.train.report import arm_table, gap_table, paired_gap, provenance, report, runs_by_arm, served_lines
+from fp4lab.train.report import (arm_table, gap_table, paired_gap, provenance, report, runs_by_arm, served_bf16,
+                                 served_lines)
 from tests.train.receipts import make_receipt as receipt
 from tests.train.receipts import receipt_dict
 
@@ -89,4 +90,29 @@ def test_an_arm_against_an_fp4_baseline_gets_no_split():
     runs = runs_by_arm([receipt("fprop-seed0", "fprop", 0, 3.05, served=3.02),
                         receipt("fprop_dgrad-seed0", "fprop_dgrad", 0, 3.08, served=3.03),
                         receipt("nvfp4-seed0", "nvfp4", 0, 3.1, served=float("nan"))])
-    assert served_lines(runs, {"fprop_dgrad": "fprop", "nvfp4": "fprop"}) == []
+    lines = served_lines(runs, {"fprop_dgrad": "fprop", "nvfp4": "fprop"})
+    assert not [line for line in lines if line.startswith(("| fprop_dgrad |", "| nvfp4 |"))]
+    # compared instead with both served in BF16 (nvfp4's NaN evaluation leaves it out)
+    (row,) = [line for line in lines if line.startswith("| fprop_dgrad - fprop |")]
+    assert row.split(" | ")[3].startswith("+0.0100 (1 seed") and not [line for line in lines if "| nvfp4 - " in line]
+
+
+def test_a_late_bf16_switch_is_compared_at_the_same_forward():
+    """A late switch ends with a BF16 forward: its final loss is already a BF16-forward score, so
+    against NVIDIA's recipe it is compared with that recipe's weights served in BF16, not with its
+    FP4 forward (which would credit the switch with the evaluation's precision)."""
+    late = [receipt_dict(f"late-seed{s}", "nvfp4", s, final) for s, final in ((0, 3.00), (1, 3.11))]
+    old = receipt_dict("old-seed0", "nvfp4", 0, 3.2)  # an FP4 forward without the evaluation: no score
+    for r in late:
+        r["recipe"].update(bf16_after=0.8, bf16_scope="all")
+    runs = runs_by_arm([receipt("bf16-seed0", "bf16", 0, 2.95), receipt("bf16-seed1", "bf16", 1, 3.05),
+                        receipt("nvfp4-seed0", "nvfp4", 0, 3.08, served=3.02),
+                        receipt("nvfp4-seed1", "nvfp4", 1, 3.19, served=3.12),
+                        *map(Receipt.from_dict, late), Receipt.from_dict(old)])
+    assert [served_bf16(r) for r in runs["late"].values()] == [3.00, 3.11] and served_bf16(runs["old"][0]) is None
+    lines = served_lines(runs, {"nvfp4": "bf16", "late": "nvfp4", "old": "nvfp4"})
+    (row,) = [line for line in lines if line.startswith("| late - nvfp4 |")]
+    cells = row.split(" | ")
+    assert cells[3].startswith("-0.0150 [")  # (-0.02 - 0.01) / 2, not (-0.08 - 0.08) / 2 against the FP4 forward
+    assert cells[5].startswith("+0.0550 [")  # the weights against BF16: (0.05 + 0.06) / 2
+    assert not [line for line in lines if line.startswith("| old - ")]
