@@ -42,6 +42,10 @@ from .elements import to_bf16_rtne, widen
 
 # tiles for H100/H200 (benchmarks/NOTES.md: a sweep at 8192^3): 256 x 128 x 64, 8 warps, 4 stages
 _BM, _BN, _BK, _WARPS, _STAGES = 256, 128, 64, 8, 4
+# the wgrad launch's outputs are small (moe64: 64 x [256, 512]) and its contractions short: 128 x 128,
+# 8 warps, 3 stages ran 4x faster than the dense tile (benchmarks/sweep_wgrad.py); BK stays _BK, so
+# each element is summed in the dense kernel's order (the same bits, checked in the sweep)
+_WGRAD_BM, _WGRAD_BN, _WGRAD_WARPS, _WGRAD_STAGES = 128, 128, 8, 3
 USE_TMA = True
 """On CUDA, read tiles through TMA descriptors where the operands allow (16-byte aligned rows, one
 contiguous axis); False forces the pointer kernel (benchmarks compare the two)."""
@@ -310,7 +314,7 @@ def contraction_grouped_mm(a: torch.Tensor, b: torch.Tensor, widths: Sequence[in
     if out.numel() == 0:
         return out
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    bm, bn, bk = _tile_shape()
+    bm, bn, bk = _tile_shape() if interpreted else (_WGRAD_BM, _WGRAD_BN, _BK)
     starts = [0, *itertools.accumulate(widths)][:-1]
     segments = torch.tensor([starts, widths], dtype=torch.int32).to(a.device, non_blocking=True)
     grid = (len(widths) * triton.cdiv(m, bm) * triton.cdiv(n, bn),)
@@ -318,7 +322,7 @@ def contraction_grouped_mm(a: torch.Tensor, b: torch.Tensor, widths: Sequence[in
                                       a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0),
                                       out.stride(1), out.stride(2), BF16_OUT=out_dtype == torch.bfloat16,
                                       EVEN_K=all(w % bk == 0 for w in widths), DOT_F32=interpreted,
-                                      BM=bm, BN=bn, BK=bk, num_warps=_WARPS, num_stages=_STAGES)
+                                      BM=bm, BN=bn, BK=bk, num_warps=_WGRAD_WARPS, num_stages=_WGRAD_STAGES)
     if empty := [g for g, w in enumerate(widths) if w == 0]:  # as scaled_mm at K = 0 (not alpha * 0: inf * 0)
         out[empty] = 0
     return out
