@@ -193,6 +193,14 @@ def _all_at_once(t: torch.Tensor, rows: list[int], calls: list[Call], gemm: str,
                                            rounding=op.rounding, pad=True, **operand_knobs(op))
 
 
+def _fprop_weights_at_once(weight: torch.Tensor, calls: list[Call]) -> GroupedValues | None:
+    """fprop's weight operand of every expert ([G, N, K], each with rows) in one grouped quantize,
+    where _all_at_once allows it (else None)."""
+    if len(calls) != weight.shape[0]:  # an expert without rows: the per-expert path
+        return None
+    return _all_at_once(weight.reshape(-1, weight.shape[2]), [weight.shape[1]] * len(calls), calls, "fprop", "b")
+
+
 def _wgrad_all_at_once(dy: torch.Tensor, x: torch.Tensor, rows: list[int], calls: list[Call]
                        ) -> tuple[GroupedValues, GroupedValues] | None:
     """Every group's wgrad operands (dy_g and x_g along their tokens, each padded to a multiple of
@@ -259,9 +267,7 @@ def gemms_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     w_fprop = None
     if fprop.quantized or fprop.rotated:
         # every expert's weights at once where all have rows (the weight as it is: a dithered one is refused)
-        w_fprop = (grouped and len(live) == weight.shape[0]
-                   and _all_at_once(weight.reshape(-1, weight.shape[2]), [weight.shape[1]] * len(live), live_calls,
-                                    "fprop", "b"))
+        w_fprop = grouped and _fprop_weights_at_once(weight, live_calls)
         w_fprop = w_fprop or [calls[g].operand(w, 1, "fprop", "b") for g, w in zip(live, w_src)]
         a = grouped and _all_at_once(x, [sizes[g] for g in live], live_calls, "fprop", "a")
         a = a or [calls[g].operand(xg, 1, "fprop", "a") for g, xg in zip(live, xs)]
@@ -292,6 +298,10 @@ def gemms_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, size
     live_calls = [calls[g] for g in live]
     w_src = saved.get("w_src") or [calls[g].weight_source(weight[g]) for g in live]
     w_values = saved.get("w_values")
+    if w_values is None and need_dx and grouped and calls[0].dgrad_reuses_fprop_weight():
+        # nothing kept (the custom ops of nn.ops): fprop's tiles of every expert made again in one
+        # launch and transposed, rather than each expert's weight quantized along N on its own
+        w_values = _fprop_weights_at_once(weight, live_calls) or None
     rows = [sizes[g] for g in live]
     xs, dys = (x.split(rows), dy.split(rows)) if grouped else ([x], [dy])
     dgrad, wgrad = calls[0].recipe.dgrad, calls[0].recipe.wgrad

@@ -17,8 +17,10 @@ guard on, so the compiled graph serves every step without recompiling. Each op r
 from them (gemms.call_at), so its results are bit-identical to the eager path's (tested).
 
 Differences from the eager path, both costs rather than results: dgrad quantizes the weight again
-where eager multiplies fprop's block values transposed (the same values, tested in nn.gemms), and
-a dithered weight is dithered again in backward (the same seed). Operand statistics (a Python
+where eager multiplies fprop's block values transposed (the same values, tested in nn.gemms; an
+MoE projection makes fprop's tiles of every expert again in one launch and transposes them,
+where each expert's weight quantized alone cost two launches an expert), and a dithered weight
+is dithered again in backward (the same seed). Operand statistics (a Python
 side effect) are not collected here: layers with ``context.collect`` take the eager path.
 
 Public: ``register_recipe``, ``recipe_index``, ``fp4_gemms_op``.

@@ -4,11 +4,14 @@ The custom ops of nn.ops carry the GEMMs through dynamo; ``aot_eager`` traces th
 backward graphs (what inductor would compile) without generating code, which keeps CPU tests fast.
 """
 
+import importlib.util
+
 import pytest
 import torch
 import torch._dynamo
 
 from fp4lab.nn import GPT, model_config, quantize_model
+from fp4lab.nn import gemms as G
 from fp4lab.nn.gemms import QuantContext, call_at, fp4_gemms, layer_key
 from fp4lab.nn.ops import fp4_gemms_op
 from fp4lab.nn.recipe import nvfp4, preset
@@ -66,10 +69,15 @@ def test_different_ticks_give_different_gradients_through_the_ops():
     assert not torch.equal(grads[0], grads[1])
 
 
-@pytest.mark.parametrize("grouped", [False, True])
-def test_the_ops_equal_the_autograd_function_bit_for_bit(grouped):
+@pytest.mark.parametrize("grouped, sizes, backend", [
+    (False, [16], "reference"), (True, [5, 0, 11], "reference"),
+    # every expert live on the Triton backend: backward makes fprop's tiles of all experts again
+    # in one launch (nothing is kept between the ops) and multiplies them transposed
+    pytest.param(True, [5, 16, 11], "triton", marks=pytest.mark.skipif(
+        importlib.util.find_spec("triton") is None, reason="needs triton (TRITON_INTERPRET=1 on a CPU)"))])
+def test_the_ops_equal_the_autograd_function_bit_for_bit(grouped, sizes, backend, monkeypatch):
+    monkeypatch.setenv("FP4LAB_BACKEND", backend)
     g = torch.Generator().manual_seed(3)
-    sizes = [5, 0, 11] if grouped else [16]
     x = torch.randn(sum(sizes), 64, generator=g, requires_grad=True)
     w = torch.randn(len(sizes), 48, 64, generator=g, requires_grad=True)
     dy = torch.randn(sum(sizes), 48, generator=g)
@@ -78,6 +86,11 @@ def test_the_ops_equal_the_autograd_function_bit_for_bit(grouped):
     context = QuantContext(tick=4, rank=1)
     names = [f"e.{i}" for i in range(len(sizes))]
     recipe = nvfp4()
+    per_expert_dgrad_weights = []  # Call.operand of dgrad's weight: the path the grouped launch replaces
+    operand = G.Call.operand
+    monkeypatch.setattr(G.Call, "operand", lambda self, t, axis, gemm, side, **kw: (
+        per_expert_dgrad_weights.append(1) if (gemm, side) == ("dgrad", "b") else None,
+        operand(self, t, axis, gemm, side, **kw))[1])
     results = []
     for path in ("function", "op"):
         if path == "function":
@@ -88,6 +101,8 @@ def test_the_ops_equal_the_autograd_function_bit_for_bit(grouped):
         results.append((y, *torch.autograd.grad(y, wrt, dy)))
     for a, b in zip(*results):
         assert torch.equal(a, b)
+    if backend == "triton":  # neither path quantized an expert's dgrad weight on its own
+        assert not per_expert_dgrad_weights
 
 
 def test_a_compiled_moe_model_gives_the_eager_results():
