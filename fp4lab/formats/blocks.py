@@ -88,14 +88,25 @@ def finite_amax(xm: torch.Tensor) -> torch.Tensor:
     return mag.amax() if mag.numel() else torch.zeros((), device=xm.device)
 
 
-def resolve_seed(seed: int | torch.Generator | None) -> int:
-    """An explicit int, a torch.Generator, or None (draw from torch's default CPU generator)."""
+def resolve_seed(seed: int | torch.Generator | torch.Tensor | None) -> int:
+    """An explicit int, a torch.Generator, a one-element int64 tensor holding the seed (a device
+    seed, which the kernels read at launch: read here, a host sync), or None (draw from torch's
+    default CPU generator)."""
+    if isinstance(seed, torch.Tensor):
+        return int(check_seed_tensor(seed).item())
     if isinstance(seed, bool) or not isinstance(seed, (int, torch.Generator, type(None))):
-        raise TypeError(f"seed must be an int, a torch.Generator or None, got {type(seed).__name__}")
+        raise TypeError(f"seed must be an int, a torch.Generator, an int64 tensor or None, got {type(seed).__name__}")
     if isinstance(seed, int):
         return seed
     device = seed.device if seed is not None else "cpu"
     return int(torch.randint(0, 2**62, (), generator=seed, dtype=torch.int64, device=device))
+
+
+def check_seed_tensor(seed: torch.Tensor) -> torch.Tensor:
+    """A device seed as given: one int64 element in [0, 2**63) (the last checked where it is read)."""
+    if seed.dtype != torch.int64 or seed.numel() != 1:
+        raise ValueError(f"a seed tensor holds one int64 element, got {seed.dtype} of shape {tuple(seed.shape)}")
+    return seed
 
 
 def stochastic_bytes(rounding: Rounding, seed: int | torch.Generator | None,

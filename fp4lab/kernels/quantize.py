@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..formats.blocks import check_input, resolve_seed
+from ..formats.blocks import check_input, check_seed_tensor, resolve_seed
 from ..formats.hadamard import TE_SIGNS, HadamardSigns
 from ..formats.mxfp4 import MX_BLOCK
 from ..formats.nvfp4 import _check_amax, _nvfp4_block, nvfp4_tensor_terms
@@ -274,7 +274,8 @@ def _fp4_quantize_kernel(x_ptr, codes_ptr, scales_ptr, amax_ptr, s_dec_ptr, seed
                          SCALE_RULE: tl.constexpr, BLOCK: tl.constexpr, TILE_ROWS: tl.constexpr,
                          STOCHASTIC: tl.constexpr, BF16_BITS: tl.constexpr, HADAMARD: tl.constexpr,
                          AMAX_ONLY: tl.constexpr, OUT_VALUES: tl.constexpr, TRANSPOSED: tl.constexpr,
-                         GROUPED: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+                         GROUPED: tl.constexpr, SEED_IN_MEMORY: tl.constexpr, H_SEED_IN_MEMORY: tl.constexpr,
+                         BR: tl.constexpr, BC: tl.constexpr):
     NB: tl.constexpr = BC // BLOCK
     rows = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
     # what Philox counts: group index = local row * lp_of / 16 + column / 16 - col_base
@@ -292,6 +293,10 @@ def _fp4_quantize_kernel(x_ptr, codes_ptr, scales_ptr, amax_ptr, s_dec_ptr, seed
         col_base = (col0 - start) // 16
     else:
         local, amax_at, seed_of, h_seed, lp_of = rows, amax_ptr, seed, hadamard_seed, LP
+        if SEED_IN_MEMORY:  # a device seed (seeds_ptr[0]): a captured graph reads each replay's own
+            seed_of = tl.load(seeds_ptr)
+        if H_SEED_IN_MEMORY:
+            h_seed = tl.load(h_seeds_ptr)
     cols = (tl.program_id(1) * BC + tl.arange(0, BC)).to(tl.int64)
     if TRANSPOSED:  # rows are contiguous in memory: load the tile the way memory runs, flip in registers
         inside_t = (cols[:, None] < L) & (rows[None, :] < R)
@@ -395,12 +400,13 @@ def _strided_2d(x: torch.Tensor, axis: int) -> tuple[torch.Tensor, int, int, int
 
 
 def _launch(x: torch.Tensor, axis: int, block: tuple[int, int], pad: bool, rule: int,
-            amax: torch.Tensor | None, s_dec: torch.Tensor | None, stochastic: bool, seed: int,
-            hadamard: int = NO_ROTATION.value, hadamard_seed: int = 0, amax_only: bool = False,
+            amax: torch.Tensor | None, s_dec: torch.Tensor | None, stochastic: bool, seed: int | torch.Tensor,
+            hadamard: int = NO_ROTATION.value, hadamard_seed: int | torch.Tensor = 0, amax_only: bool = False,
             out_values: bool = False, grouped: tuple | None = None, group_mode: int = NO_GROUPS.value
             ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """One quantize launch (grouped: (edges, seeds, hadamard seeds, groups) device tensors and
-    count, group_mode ROW_GROUPS or COL_GROUPS)."""
+    count, group_mode ROW_GROUPS or COL_GROUPS). A seed given as a tensor (_kernel_seed) is read
+    by the kernel from memory."""
     axis, pads = check_input(x, axis, block, pad)
     src, rows, length, stride_r, stride_c = _strided_2d(x, axis)
     lp, rows_out = length + pads[0], rows + pads[1]
@@ -424,27 +430,35 @@ def _launch(x: torch.Tensor, axis: int, block: tuple[int, int], pad: bool, rule:
             bc = COL_GROUP_WIDTH
         grid = (triton.cdiv(rows_out, br), triton.cdiv(lp, bc))
         bf16 = src.dtype == torch.bfloat16
+        in_memory = [isinstance(v, torch.Tensor) for v in (seed, hadamard_seed)]
+        if grouped is None:  # the seeds' pointers: device seeds where given, else unused
+            grouped = (codes, seed if in_memory[0] else codes, hadamard_seed if in_memory[1] else codes, 1)
         _fp4_quantize_kernel[grid](src.view(torch.int16) if bf16 else src, codes, scales,
-                                   codes if amax is None else amax, codes if s_dec is None else s_dec, seed,
-                                   hadamard_seed, *(grouped or (codes, codes, codes, 1)),
+                                   codes if amax is None else amax, codes if s_dec is None else s_dec,
+                                   0 if in_memory[0] else seed, 0 if in_memory[1] else hadamard_seed, *grouped,
                                    rows, length, rows_out, lp, stride_r, stride_c,
                                    SCALE_RULE=rule, BLOCK=block[1], TILE_ROWS=block[0],
                                    STOCHASTIC=stochastic, BF16_BITS=bf16, HADAMARD=hadamard,
                                    AMAX_ONLY=amax_only, OUT_VALUES=out_values, TRANSPOSED=transposed,
-                                   GROUPED=group_mode, BR=br, BC=bc, num_warps=warps,
+                                   GROUPED=group_mode, SEED_IN_MEMORY=in_memory[0],
+                                   H_SEED_IN_MEMORY=in_memory[1], BR=br, BC=bc, num_warps=warps,
                                    enable_fp_fusion=False)
     return codes, scales, axis
 
 
-def _kernel_seed(seed: int | torch.Generator | None) -> int:
-    """A seed as the kernels take it: an int64 kernel argument."""
+def _kernel_seed(seed: int | torch.Generator | torch.Tensor | None) -> int | torch.Tensor:
+    """A seed as the kernels take it: an int64 kernel argument, or a device seed (a one-element
+    int64 tensor, formats.blocks.check_seed_tensor) that the kernel reads at launch, so a launch
+    captured in a CUDA graph draws whatever the tensor holds at each replay."""
+    if isinstance(seed, torch.Tensor):
+        return check_seed_tensor(seed)
     value = resolve_seed(seed)
     if not 0 <= value < 2**63:
         raise ValueError(f"the Triton path takes seeds in [0, 2**63), got {value}")
     return value
 
 
-def _seed(rounding: Rounding, seed: int | torch.Generator | None) -> int:
+def _seed(rounding: Rounding, seed: int | torch.Generator | torch.Tensor | None) -> int | torch.Tensor:
     return 0 if rounding is Rounding.RTNE else _kernel_seed(seed)
 
 

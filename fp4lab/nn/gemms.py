@@ -54,6 +54,7 @@ from ..kernels import BlockValues, GroupedValues
 from .quant import (Rotation, derive_seed, derive_seeds, dither, fuses_rotation, gemm_dtype, operand_knobs, quantize_operand,
                     rotation_for, run_gemm)
 from .recipe import BF16_GEMM, GEMMS, HadamardMode, Recipe
+from .seeds import SeedTable
 
 WGRAD_ROW_MULTIPLE = 32  # lcm of the block sizes (16, 32) and Hadamard sizes (16, 32)
 
@@ -78,6 +79,10 @@ class QuantContext:
     """Data-parallel rank. Ranks > 0 fold it into every seed: with one stream on all ranks, the
     stochastic-rounding noise of their gradient shards would be correlated, and DDP's average
     would not shrink it as a single GPU's larger batch does. Rank 0 keeps single-GPU seeds."""
+    seeds: SeedTable | None = field(default=None, repr=False, compare=False)
+    """Where the dense layers' kernels read their seeds (nn.seeds): with a table, every seed of a
+    step is a slot of one device buffer that setting ``tick`` refills, so a CUDA graph of the step
+    replays with each step's own bits; None: seeds are kernel arguments."""
     clock: torch.Tensor = field(init=False, repr=False, compare=False)
     """[tick, progress] as a float64 CPU tensor, kept equal to the two fields: what the custom ops
     read, so a compiled model sees a tensor that changes rather than Python numbers to guard on
@@ -90,6 +95,8 @@ class QuantContext:
         object.__setattr__(self, name, value)
         if name in ("tick", "progress") and "clock" in self.__dict__:
             self.clock[0 if name == "tick" else 1] = float(value)
+        if name in ("tick", "seeds") and self.__dict__.get("seeds") is not None:
+            self.seeds.fill(self.tick)
 
 
 @dataclass(frozen=True)
@@ -98,15 +105,23 @@ class Call:
 
     recipe: Recipe
     name: str
-    root: int  # derive_seed(recipe.seed, layer, tick)
+    root: int  # derive_seed(recipe.seed, layer, tick[, rank])
     stats: dict[str, dict[str, float]] | None
+    layer: int = 0
+    rank: int = 0
+    seeds: SeedTable | None = field(default=None, compare=False)
 
-    def seed(self, gemm: str, side: str) -> int:
+    def seed(self, gemm: str, side: str) -> int | torch.Tensor:
+        """derive_seed(root, gemm, side): an int, or its slot in the context's SeedTable."""
+        if self.seeds is not None:
+            return self.seeds.seed(self.recipe.seed, self.layer, self.rank, GEMMS.index(gemm), ord(side))
         return derive_seed(self.root, GEMMS.index(gemm), ord(side))
 
     def rotation(self, gemm: str) -> Rotation | None:
         """The Hadamard rotation of ``gemm``'s operands at this call (its random signs re-drawn per call)."""
-        return rotation_for(self.recipe.gemm(gemm), self.recipe.seed, derive_seed(self.root, GEMMS.index(gemm), ord("h")))
+        spec = self.recipe.gemm(gemm)
+        step_seed = self.seed(gemm, "h") if spec.hadamard is HadamardMode.RANDOM else 0  # the only user
+        return rotation_for(spec, self.recipe.seed, step_seed)
 
     def operand(self, t: torch.Tensor, axis: int, gemm: str, side: str, *, codes: bool = False):
         """t quantized (and rotated) as ``gemm``'s operand ``side`` says (quant.quantize_operand)."""
@@ -117,7 +132,8 @@ class Call:
     def weight_source(self, weight: torch.Tensor) -> torch.Tensor:
         """The weight fprop and dgrad quantize: dithered once per call when the recipe asks."""
         spec = self.recipe.fprop.b
-        return dither(weight, spec, self.seed("fprop", "d")) if spec.dither else weight
+        # dither draws its bytes with torch ops on the host: an int seed (a table's slot would sync)
+        return dither(weight, spec, derive_seed(self.root, GEMMS.index("fprop"), ord("d"))) if spec.dither else weight
 
     def dgrad_reuses_fprop_weight(self) -> bool:
         """fprop's and dgrad's weight operands are the same 16x16 RTNE tiles of the same tensor, so
@@ -151,7 +167,7 @@ def make_call(recipe: Recipe, name: str, context: QuantContext) -> Call:
     """The Call of layer ``name`` at the context's tick (the recipe in force at its progress;
     every GEMM in BF16 under ``context.forward_bf16``)."""
     call = call_at(recipe, layer_key(name), context.tick, context.progress, context.rank, name=name,
-                   stats=context.stats if context.collect else None)
+                   stats=context.stats if context.collect else None, seeds=context.seeds)
     if context.forward_bf16:  # an evaluation: no backward follows, so every GEMM goes BF16 (the
         # recipe's own checks tie dgrad's dithered weight to fprop's)
         call = dataclasses.replace(call, recipe=dataclasses.replace(call.recipe, **{g: BF16_GEMM for g in GEMMS}))
@@ -159,10 +175,12 @@ def make_call(recipe: Recipe, name: str, context: QuantContext) -> Call:
 
 
 def call_at(recipe: Recipe, layer: int, tick: int, progress: float, rank: int, *, name: str = "",
-            stats: dict[str, dict[str, float]] | None = None) -> Call:
-    """The Call of the layer keyed ``layer`` at ``tick`` and ``progress``, on data-parallel ``rank``."""
+            stats: dict[str, dict[str, float]] | None = None, seeds: SeedTable | None = None) -> Call:
+    """The Call of the layer keyed ``layer`` at ``tick`` and ``progress``, on data-parallel ``rank``
+    (its seeds drawn from ``seeds`` where given)."""
     parts = (recipe.seed, layer, tick) + ((rank,) if rank else ())
-    return Call(recipe=recipe.at_progress(progress), name=name, root=derive_seed(*parts), stats=stats)
+    return Call(recipe=recipe.at_progress(progress), name=name, root=derive_seed(*parts), stats=stats, layer=layer,
+                rank=rank, seeds=seeds)
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:

@@ -60,13 +60,18 @@ def derive_seed(*parts: int) -> int:
     return h >> 1
 
 
-def derive_seeds(firsts: Sequence[int], *parts: int) -> list[int]:
-    """[derive_seed(f, *parts) for f in firsts], folded for all of them at once (an MoE
-    projection's experts: one pass of array arithmetic instead of a Python fold per expert;
-    numpy's uint64 arithmetic wraps as the masks above do)."""
-    h = np.full(len(firsts), 0x9E3779B97F4A7C15, dtype=np.uint64)
-    for part in (np.array([f & _MASK64 for f in firsts], dtype=np.uint64), *(np.uint64(p & _MASK64) for p in parts)):
-        h ^= part
+def derive_seeds(first: Sequence[int], *parts: int | Sequence[int]) -> list[int]:
+    """[derive_seed(first[i], *(p[i] if a sequence else p for p in parts)) for each i], folded for
+    all elements at once (an MoE projection's experts, a step's seed table: one pass of array
+    arithmetic instead of a Python fold per element; numpy's uint64 arithmetic wraps as the masks
+    above do)."""
+    def column(part: int | Sequence[int]) -> np.ndarray:
+        values = [part] if isinstance(part, int) else part
+        return np.array([v & _MASK64 for v in values], dtype=np.uint64)
+
+    h = np.full(len(first), 0x9E3779B97F4A7C15, dtype=np.uint64)
+    for part in (first, *parts):
+        h ^= column(part)
         h = (h ^ (h >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
         h = (h ^ (h >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
         h ^= h >> np.uint64(31)
@@ -78,11 +83,12 @@ class Rotation(NamedTuple):
 
     signs: HadamardSigns
     size: int
-    seed: int = 0
+    seed: int | torch.Tensor = 0
 
 
-def rotation_for(spec: GemmSpec, root: int, step_seed: int) -> Rotation | None:
-    """The rotation ``spec`` asks for; ``step_seed`` re-draws RANDOM signs (per layer and step)."""
+def rotation_for(spec: GemmSpec, root: int, step_seed: int | torch.Tensor) -> Rotation | None:
+    """The rotation ``spec`` asks for; ``step_seed`` re-draws RANDOM signs (per layer and step; a
+    device seed where the step's seeds live in a nn.seeds.SeedTable)."""
     if spec.hadamard is HadamardMode.NONE:
         return None
     if spec.hadamard is HadamardMode.DETERMINISTIC:
@@ -112,7 +118,7 @@ def operand_knobs(op: Operand, rotation: Rotation | None = None) -> dict:
     return op.format.spec.select(offered)
 
 
-def _quantize(t: torch.Tensor, axis: int, op: Operand, *, seed: int, rotation: Rotation | None,
+def _quantize(t: torch.Tensor, axis: int, op: Operand, *, seed: int | torch.Tensor, rotation: Rotation | None,
               rtne: bool = False, codes: bool = True) -> FP4Tensor | BlockValues:
     kwargs = dict(axis=axis, rounding="rtne" if rtne else op.rounding, seed=seed, pad=True, **operand_knobs(op, rotation))
     return kernels.quantize_as(t, op.format, **kwargs) if codes else kernels.quantize_values(t, op.format, **kwargs)
@@ -125,7 +131,7 @@ def fuses_rotation(op: Operand, rotation: Rotation) -> bool:
             and not op.dither)
 
 
-def quantize_operand(t: torch.Tensor, axis: int, op: Operand, *, seed: int, rotation: Rotation | None = None,
+def quantize_operand(t: torch.Tensor, axis: int, op: Operand, *, seed: int | torch.Tensor, rotation: Rotation | None = None,
                      stats: dict[str, dict[str, float]] | None = None, key: str = "",
                      codes: bool = False) -> torch.Tensor | FP4Tensor | BlockValues:
     """t: [R, L] (axis 1) or [L, R] (axis 0) -> t rotated (if asked) and, unless op is BF16,

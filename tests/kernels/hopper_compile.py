@@ -71,6 +71,9 @@ def exercise() -> None:
     _try(quantize.quantize_mxfp4, x, hadamard="random", hadamard_seed=2)
     _try(quantize.mxfp4_block_values, x)
     _try(quantize.quantize_nvfp4, x, axis=0, **full)  # a transposed read
+    device_seeds = dict(rounding="stochastic", seed=torch.tensor([1]), hadamard="random", hadamard_seed=torch.tensor([2]))
+    _try(quantize.nvfp4_block_values, x, axis=0, **device_seeds)  # seeds read from memory (nn.seeds)
+    _try(quantize.mxfp4_block_values, x, axis=0, **device_seeds)
     _try(quantize.quantize_nvfp4, x.float())
     from fp4lab.formats.types import Format
     for fmt, knobs in ((Format.NVFP4, dict(profile="te")), (Format.NVFP4, dict(profile="torchao")),

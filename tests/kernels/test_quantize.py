@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 pytest.importorskip("triton")
 
@@ -341,3 +341,27 @@ def test_grouped_columns_refuse_widths_that_straddle_tiles():
     for widths, seeds in [([48, 16], [1, 2]), ([64], [1, 2]), ([32, 0, 32], [1, 2, 3])]:
         with pytest.raises(ValueError, match="does not split into groups"):
             kernels.quantize_grouped_columns(x, "nvfp4", widths, seeds, backend="triton")
+
+
+@settings(max_examples=12, deadline=None)
+@given(fmt=st.sampled_from(["nvfp4", "mxfp4"]), axis=st.sampled_from([0, 1]), seed=st.integers(0, 2**63 - 1),
+       h_seed=st.integers(0, 2**63 - 1), sr=st.booleans(), rotate=st.booleans())
+@example(fmt="nvfp4", axis=0, seed=5, h_seed=2**62 + 7, sr=True, rotate=True)
+@example(fmt="mxfp4", axis=1, seed=2**40, h_seed=3, sr=True, rotate=True)
+def test_a_device_seed_gives_the_bytes_of_its_int(fmt, axis, seed, h_seed, sr, rotate):
+    """Seeds given as one-element int64 tensors (what a captured CUDA graph reads at each replay:
+    nn.seeds) are read by the kernel from memory, with the bytes the same ints give as arguments,
+    on both backends; the SR seed and the Hadamard seed each on its own."""
+    x = hard_input((64, 96), seed % 1000, torch.bfloat16).to(DEVICE)
+    kw = dict(axis=axis, rounding="stochastic" if sr else "rtne", pad=True,
+              **(dict(hadamard="random") if rotate else {}))
+    as_ints = kernels.quantize_values(x, fmt, seed=seed, hadamard_seed=h_seed, backend="triton", **kw)
+    for s, h in ((torch.tensor([seed], device=DEVICE), torch.tensor([h_seed], device=DEVICE)),
+                 (seed, torch.tensor([h_seed], device=DEVICE)), (torch.tensor([seed], device=DEVICE), h_seed)):
+        assert_same_values(kernels.quantize_values(x, fmt, seed=s, hadamard_seed=h, backend="triton", **kw), as_ints)
+    reference = kernels.quantize_values(x.cpu(), fmt, seed=torch.tensor([seed]), hadamard_seed=torch.tensor([h_seed]),
+                                        backend="reference", **kw)
+    assert_same_values(as_ints, reference)
+    with pytest.raises(ValueError, match="one int64 element"):
+        kernels.quantize_values(x, fmt, seed=torch.tensor([seed, seed], device=DEVICE), rounding="stochastic",
+                                backend="triton")

@@ -1,0 +1,72 @@
+"""A training step's random seeds in device memory: what lets a CUDA graph replay a step.
+
+Every stochastic choice of an FP4 layer (stochastic rounding, random Hadamard signs) draws from
+derive_seed(derive_seed(recipe seed, layer, tick[, rank]), gemm, side) (nn.gemms.Call): a new
+value at every tick. A kernel launch captured in a CUDA graph replays the arguments it was
+captured with, so an int seed would repeat the first step's bits forever. With a ``SeedTable`` on
+the QuantContext, each such seed lives in a slot of one device buffer that the kernels read at
+launch (kernels: a one-element int64 tensor as the seed); setting the context's tick writes every
+slot's value for that tick in one host-to-device copy, outside any graph. The bits are those of
+the int seeds (tested); only where they are read from changes.
+
+A slot is made the first time a (recipe seed, layer, rank, gemm, side) is drawn, with its value at
+the current tick; a graph must therefore be captured after a step has run eagerly (the warm-up
+CUDA graph capture asks for anyway), and a slot first drawn while capturing is refused.
+
+Public: ``SeedTable``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .quant import derive_seeds
+
+
+class SeedTable:
+    """Device-resident seeds of a model's FP4 layers (see the module doc)."""
+
+    def __init__(self, device: torch.device | str, capacity: int = 4096):
+        self.values = torch.zeros(capacity, dtype=torch.int64, device=device)
+        self.specs: list[tuple[int, int, int, int, int]] = []  # (recipe seed, layer, rank, gemm, side) per slot
+        self._index: dict[tuple[int, int, int, int, int], int] = {}
+        self.tick = 0
+
+    def seed(self, recipe_seed: int, layer: int, rank: int, gemm: int, side: int) -> torch.Tensor:
+        """The slot of this seed: a one-element view of the buffer holding its value at the tick."""
+        spec = (recipe_seed, layer, rank, gemm, side)
+        i = self._index.get(spec)
+        if i is None:
+            if self.values.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("a seed first drawn while a CUDA graph is captured would be written inside "
+                                   "the graph: run the step once before capturing it")
+            if len(self.specs) == len(self.values):
+                raise RuntimeError(f"the seed table is full ({len(self.values)} slots): make it with a larger "
+                                   "capacity")
+            i = self._index[spec] = len(self.specs)
+            self.specs.append(spec)
+            self.values[i] = _values([spec], self.tick)[0]
+        return self.values[i: i + 1]
+
+    def fill(self, tick: int) -> None:
+        """Every slot's value at ``tick``, written in one copy (stream-ordered: launches queued
+        before it read the old values)."""
+        self.tick = tick
+        if self.specs:
+            new = torch.tensor(_values(self.specs, tick), dtype=torch.int64)
+            self.values[: len(new)].copy_(new.pin_memory() if self.values.is_cuda else new, non_blocking=True)
+
+
+def _values(specs: list[tuple[int, int, int, int, int]], tick: int) -> list[int]:
+    """derive_seed(derive_seed(recipe seed, layer, tick[, rank]), gemm, side) for every spec, in
+    array passes (rank 0 folds no rank, as nn.gemms.call_at)."""
+    out = [0] * len(specs)
+    for with_rank in (False, True):
+        picked = [i for i, spec in enumerate(specs) if bool(spec[2]) == with_rank]
+        if not picked:
+            continue
+        seed, layer, rank, gemm, side = (list(column) for column in zip(*(specs[i] for i in picked)))
+        roots = derive_seeds(seed, layer, tick, *([rank] if with_rank else []))
+        for i, value in zip(picked, derive_seeds(roots, gemm, side)):
+            out[i] = value
+    return out

@@ -1,0 +1,70 @@
+"""nn.seeds.SeedTable: a step's seeds in device memory give the bits of the int seeds, tick by tick."""
+
+import importlib.util
+
+import pytest
+import torch
+
+from fp4lab.nn.gemms import GEMMS, QuantContext, call_at, layer_key
+from fp4lab.nn.linear import FP4Linear
+from fp4lab.nn.quant import derive_seed
+from fp4lab.nn.recipe import nvfp4, preset
+from fp4lab.nn.seeds import SeedTable
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+BACKENDS = ["reference", pytest.param("triton", marks=pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="needs triton (TRITON_INTERPRET=1 on a CPU)"))]
+
+
+def _step(layer: FP4Linear, x: torch.Tensor, dy: torch.Tensor) -> list[torch.Tensor]:
+    layer.zero_grad(set_to_none=True)
+    x = x.clone().requires_grad_()
+    y = layer(x)
+    y.backward(dy)
+    return [y.detach(), x.grad, layer.weight.grad]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", ["nvfp4", "mxfp4_sr_random"])
+def test_a_seed_table_gives_the_int_seeds_bits_at_every_tick(name, backend, monkeypatch):
+    """NVIDIA's recipe (SR on the gradients, random Hadamard signs on wgrad, 16x16 weight tiles),
+    and MXFP4 with SR and random 32-point signs: with the table, every kernel reads its seeds from one device buffer that setting the tick
+    refills; forward and both gradients equal the int-seed path's bit for bit at each tick, and
+    the ticks differ (the slots were refilled, not frozen)."""
+    monkeypatch.setenv("FP4LAB_BACKEND", backend)
+    torch.manual_seed(0)
+    recipe = (preset("nvfp4").override({"keep_first": 0, "keep_last": 0}) if name == "nvfp4" else
+              preset("mxfp4").override({"wgrad.hadamard": "random", "dgrad.a.rounding": "stochastic",
+                                        "wgrad.a.rounding": "stochastic"}))
+    plain, tabled = QuantContext(rank=1), QuantContext(rank=1, seeds=SeedTable(DEVICE, capacity=64))
+    layer = FP4Linear(64, 48, recipe=recipe, name="blocks.0.mlp.up", context=plain).to(DEVICE)
+    x, dy = torch.randn(32, 64, device=DEVICE), torch.randn(32, 48, device=DEVICE)
+    results = []
+    for tick in (3, 4, 3):
+        plain.tick = tabled.tick = tick
+        layer.context = plain
+        want = _step(layer, x, dy)
+        layer.context = tabled
+        got = _step(layer, x, dy)
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+        results.append(want)
+    assert not torch.equal(results[0][2], results[1][2]) and torch.equal(results[0][2], results[2][2])
+    assert tabled.seeds.specs  # the kernels did draw from the table
+
+
+def test_slots_hold_derive_seed_and_are_shared_per_spec():
+    table = SeedTable("cpu", capacity=4)
+    context = QuantContext(tick=9, rank=2, seeds=table)
+    recipe = nvfp4()
+    call = call_at(recipe, layer_key("a"), 9, 0.0, 2, seeds=context.seeds)
+    slot = call.seed("wgrad", "a")
+    root = derive_seed(recipe.seed, layer_key("a"), 9, 2)
+    assert int(slot) == derive_seed(root, GEMMS.index("wgrad"), ord("a"))
+    assert call.seed("wgrad", "a").data_ptr() == slot.data_ptr() and len(table.specs) == 1
+    context.tick = 10  # refilled in place: the view a captured kernel holds sees the new value
+    assert int(slot) == derive_seed(derive_seed(recipe.seed, layer_key("a"), 10, 2), GEMMS.index("wgrad"), ord("a"))
+    for side in "bcd":
+        call.seed("wgrad", side)
+    with pytest.raises(RuntimeError, match="full"):
+        call.seed("dgrad", "a")
