@@ -9,9 +9,11 @@ this is what a training run sees). Host-bound FP4 steps move ~30% between runs o
 (benchmarks/NOTES.md, 2026-11-25), so every arm is built once and timed in ``--rounds`` rounds
 that alternate the arms; a ratio is the median over rounds of the round's step over the same
 round's BF16 step, with the rounds' range beside it. Each arm runs eager and under torch.compile (the FP4 GEMMs
-as nn.ops custom ops); a compiled FP4 arm is compared with compiled BF16, as users run it.
+as nn.ops custom ops); a compiled FP4 arm is compared with compiled BF16, as users run it. ``--modes graphed``
+adds the eager step captured in one CUDA graph (train.graphed; dense models: MoE routing syncs),
+against graphed BF16.
 Writes benchmarks/results/model.json (d12; other models model_<name>.json) and the matching keys
-of latest.json: <name>_<arm>_step_over_bf16 (eager), <name>_<arm>_step_over_bf16_compiled.
+of latest.json: <name>_<arm>_step_over_bf16 (eager), <name>_<arm>_step_over_bf16_compiled (and _graphed).
 """
 
 from __future__ import annotations
@@ -28,18 +30,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import environment, save  # noqa: E402
 from fp4lab.nn import GPT, model_config, quantize_model  # noqa: E402
 from fp4lab.nn.recipe import preset  # noqa: E402
+from fp4lab.train.graphed import GraphedStep  # noqa: E402
 
 ARMS = ("bf16", "nvfp4", "nvfp4_plain", "mxfp4")
 
 
 def make_step(recipe_name: str, mode: str, args):
-    """-> step(i): one training step (forward, backward, AdamW) of ``args.model`` under the recipe."""
+    """-> step(i): one training step (forward, backward, AdamW) of ``args.model`` under the recipe;
+    ``graphed``: the eager step captured in a CUDA graph (train.graphed), replayed per step."""
     torch.manual_seed(0)
     model = GPT(model_config(args.model, seq_len=args.seq)).cuda()
     context = quantize_model(model, preset(recipe_name))
     runner = torch.compile(model) if mode == "compiled" else model
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True, capturable=mode == "graphed")
     idx = torch.randint(0, model.cfg.vocab_size, (args.batch, args.seq + 1), device="cuda")
+    if mode == "graphed":
+        def loss_fn(batch: torch.Tensor) -> torch.Tensor:
+            with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
+                return model(batch[:, :-1], batch[:, 1:])
+        graphed = GraphedStep(loss_fn, opt, context, (idx,))
+        return lambda i: graphed(i, idx)
 
     def step(i: int) -> None:
         context.tick = i
@@ -76,7 +86,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     step_arguments(parser, warmup=5, steps=20)
     parser.add_argument("--arms", nargs="*", default=list(ARMS))
-    parser.add_argument("--modes", nargs="*", default=["eager", "compiled"], choices=["eager", "compiled"])
+    parser.add_argument("--modes", nargs="*", default=["eager", "compiled"], choices=["eager", "compiled", "graphed"])
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     tokens = args.batch * args.seq
@@ -103,7 +113,7 @@ def main() -> None:
     payload = {**environment(), "model": args.model, "batch": args.batch, "seq": args.seq, "rounds": args.rounds,
                "steps_per_round": args.steps, "arms": rows}
     name = "model" if args.model == "d12" else f"model_{args.model.replace('-', '_')}"
-    keys = {f"{name}_{r['arm']}_step_over_bf16{'_compiled' if r['mode'] == 'compiled' else ''}": r["over_bf16"]
+    keys = {f"{name}_{r['arm']}_step_over_bf16{'' if r['mode'] == 'eager' else '_' + r['mode']}": r["over_bf16"]
             for r in rows.values() if r["arm"] != "bf16"}
     if "bf16/eager" in rows:
         keys[f"{name}_bf16_tokens_per_s"] = rows["bf16/eager"]["tokens_per_s"]

@@ -1,0 +1,61 @@
+"""train.graphed.GraphedStep: a captured FP4 training step replays the eager steps bit for bit.
+
+The capture tests need a CUDA device (the device machine runs them); on a CPU only the input
+checks run."""
+
+import pytest
+import torch
+
+from fp4lab.nn import GPT, model_config, quantize_model
+from fp4lab.nn.gemms import QuantContext
+from fp4lab.nn.recipe import preset
+from fp4lab.train.graphed import GraphedStep
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+WARMUP = 3
+
+
+def test_cpu_inputs_are_refused():
+    with pytest.raises(ValueError, match="CUDA tensors"):
+        GraphedStep(lambda x: x.sum(), torch.optim.SGD([torch.zeros(1, requires_grad=True)]), QuantContext(),
+                    (torch.zeros(2),))
+
+
+def _model(recipe: str):
+    torch.manual_seed(0)
+    model = GPT(model_config("tiny", vocab_size=256, seq_len=64)).cuda()
+    context = quantize_model(model, preset(recipe).override({"keep_first": 0, "keep_last": 0})
+                             if recipe == "nvfp4" else preset(recipe))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True, capturable=True)
+
+    def loss_fn(idx: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):  # no cast cache across replays
+            return model(idx[:, :-1], idx[:, 1:])
+    return model, context, optimizer, loss_fn
+
+
+@cuda
+@pytest.mark.parametrize("recipe", ["nvfp4", "bf16"])
+def test_a_captured_step_replays_the_eager_steps_bit_for_bit(recipe):
+    """Two identical models from the same seed. One steps eagerly with int seeds; the other warms
+    up (ticks 0-2 on the example batch, eager) and then replays its captured step at ticks 3-7,
+    each tick's seeds from the table. Every loss and the final weights agree bit for bit."""
+    batches = torch.randint(0, 256, (8, 4, 65), generator=torch.Generator().manual_seed(1)).cuda()
+    batch = [batches[0] if tick < WARMUP else batches[tick] for tick in range(8)]  # the warm-up's batch
+    eager, context, optimizer, loss_fn = _model(recipe)
+    want = []
+    for tick in range(8):
+        context.tick = tick
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(batch[tick])
+        loss.backward()
+        optimizer.step()
+        want.append(loss.detach().clone())
+    graphed, context, optimizer, loss_fn = _model(recipe)
+    step = GraphedStep(loss_fn, optimizer, context, (batches[0],), warmup=WARMUP)
+    got = [step(tick, batch[tick]).clone() for tick in range(WARMUP, 8)]
+    for tick, loss in zip(range(WARMUP, 8), got):
+        assert torch.equal(loss, want[tick]), tick
+    for (name, p), q in zip(eager.named_parameters(), graphed.parameters()):
+        assert torch.equal(p, q), name
+    assert recipe == "bf16" or context.seeds.specs  # the FP4 kernels drew from the table
