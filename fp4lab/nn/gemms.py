@@ -132,8 +132,12 @@ class Call:
     def weight_source(self, weight: torch.Tensor) -> torch.Tensor:
         """The weight fprop and dgrad quantize: dithered once per call when the recipe asks."""
         spec = self.recipe.fprop.b
-        # dither draws its bytes with torch ops on the host: an int seed (a table's slot would sync)
-        return dither(weight, spec, derive_seed(self.root, GEMMS.index("fprop"), ord("d"))) if spec.dither else weight
+        if not spec.dither:
+            return weight
+        if capturing():
+            raise RuntimeError("dither draws its noise from an int seed: a captured graph would repeat one step's "
+                               "noise at every replay")
+        return dither(weight, spec, derive_seed(self.root, GEMMS.index("fprop"), ord("d")))
 
     def dgrad_reuses_fprop_weight(self) -> bool:
         """fprop's and dgrad's weight operands are the same 16x16 RTNE tiles of the same tensor, so
@@ -142,6 +146,12 @@ class Call:
         f, d = self.recipe.fprop, self.recipe.dgrad
         return (f.b == d.b and f.b.block2d and f.b.rounding is Rounding.RTNE and not f.rotated and not d.rotated
                 and d.a.quantized and self.stats is None)
+
+
+def capturing() -> bool:
+    """Whether a CUDA graph is being captured on this stream: int seeds made now would be frozen
+    into it (nn.seeds is the capturable form)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _group_seeds(calls: list[Call], gemm: str, side: str) -> list[int]:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from .gemms import QuantContext, call_at, gemms_backward, gemms_forward
+from .gemms import QuantContext, call_at, capturing, gemms_backward, gemms_forward
 from .recipe import Recipe
 
 _RECIPES: list[Recipe] = []  # index -> recipe (equal recipes share one index)
@@ -68,6 +68,9 @@ def recipe_index(recipe: Recipe) -> int:
 
 
 def _calls(layers: torch.Tensor, recipe: int, clock: torch.Tensor, rank: int):
+    if capturing():  # the ops rebuild Calls with int seeds: a CUDA graph would freeze the first step's
+        raise RuntimeError("the compiled FP4 ops draw int seeds, which a CUDA graph would freeze: capture the "
+                           "eager model (train.graphed)")
     tick, progress = clock.tolist()
     return [call_at(_RECIPES[recipe], layer, int(tick), progress, rank) for layer in layers.tolist()]
 

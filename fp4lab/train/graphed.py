@@ -8,9 +8,10 @@ Python between them. What makes an FP4 step capturable:
 - its random bits: every seed of the dense FP4 layers lives in the QuantContext's
   ``nn.seeds.SeedTable``, which setting ``context.tick`` refills before each replay, so step t
   draws step t's bits (an int seed would be frozen into the graph at its capture value);
-- no host synchronization inside the step: an MoE block's routing reads its expert counts on the
-  host, operand statistics and weight dither read values back, so those models and recipes are
-  refused at capture (CUDA's error names the sync);
+- no host synchronization inside the step, and no int seed: an MoE block's routing reads its
+  expert counts on the host and operand statistics read values back (CUDA refuses the sync at
+  capture), weight dither and the compiled custom ops (nn.ops) draw int seeds and refuse to run
+  while a graph is captured: capture the eager model;
 - static tensors: the batch is copied into the graph's own input tensors, the optimizer is built
   with ``capturable=True`` (its step count and learning rate on the device), and gradients are
   set to None before capture, so each replay writes them afresh.
@@ -64,8 +65,8 @@ class GraphedStep:
                 self.loss = self._body()
         except RuntimeError as exc:
             raise RuntimeError("the training step could not be captured: it synchronizes with the host or "
-                               "makes a new seed while capturing (an MoE block's routing, operand statistics, "
-                               f"weight dither, a Python read of a device value): {exc}") from exc
+                               "draws a seed a graph would freeze (an MoE block's routing, operand statistics, "
+                               f"weight dither, a compiled model): {exc}") from exc
 
     def _body(self) -> torch.Tensor:
         self.optimizer.zero_grad(set_to_none=True)
