@@ -277,7 +277,7 @@ def _check_grouped_pair(a: GroupedValues, b: GroupedValues) -> None:
     """What _check_values_pair asks of every group's pair, asked once of two GroupedValues along
     the same axis: as many groups, one format, one contraction length per group."""
     contraction = (a.values.shape[1], b.values.shape[1]) if a.axis == 0 else (a.sizes, b.sizes)
-    if len(a.sizes) != len(b.sizes) or not a.sizes or contraction[0] != contraction[1]:
+    if a.axis != b.axis or len(a.sizes) != len(b.sizes) or not a.sizes or contraction[0] != contraction[1]:
         raise ValueError(f"grouped operands do not pair: {len(a.sizes)} and {len(b.sizes)} groups, "
                          f"values {tuple(a.values.shape)} and {tuple(b.values.shape)} along axis {a.axis}")
     if a.format is not b.format:

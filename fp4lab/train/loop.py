@@ -311,8 +311,9 @@ def _evaluate(run: Run, *, full: bool, bf16_forward: bool = False) -> float:
 
 
 def _serves_fp4(run: Run) -> bool:
-    """Whether the trained model's forward runs any FP4 GEMM (the recipe at the end of training)."""
-    final = run.recipe.at_progress(1.0)
+    """Whether the trained model's forward runs any FP4 GEMM: the recipe in force at the last
+    step's progress, which the final evaluation runs with (a ``bf16_after`` of 1.0 never switches)."""
+    final = run.recipe.at_progress(run.context.progress)
     return bool(coverage(run.model)["linears"]["fp4"]) and (final.fprop.quantized or final.fprop.rotated)
 
 

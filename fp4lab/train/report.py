@@ -111,7 +111,7 @@ def served_lines(runs: dict[str, dict[int, Receipt]], baselines: dict[str, str |
         base = baselines.get(arm)
         if base is None or base == arm or base not in runs:
             continue
-        if any(served(r) is not None for r in runs[base].values()):
+        if any(map(_ends_with_fp4_forward, runs[base].values())):
             fp4_based.append(arm)  # an FP4 baseline: its own forward's share would hide in the weights' column
             continue
         shared = [s for s in sorted(set(seeds) & set(runs[base]))
@@ -133,14 +133,24 @@ def served_lines(runs: dict[str, dict[int, Receipt]], baselines: dict[str, str |
     return lines + _same_forward_lines(runs, baselines, fp4_based)
 
 
+def _ends_with_fp4_forward(receipt: Receipt) -> bool:
+    """Whether the run's final evaluation ran an FP4 forward: the recipe in force at its last
+    step's progress, (steps - 1) / steps, which is the one the loop evaluates with."""
+    steps = receipt.final.steps
+    final = Recipe.from_dict(receipt.recipe).at_progress((steps - 1) / steps if steps else 0.0)
+    return final.fprop.quantized or final.fprop.rotated
+
+
 def served_bf16(receipt: Receipt) -> float | None:
     """The final validation loss of the run's weights served with a BF16 forward: its BF16-forward
     evaluation, or its final loss where its last steps ran no FP4 forward anyway (BF16, a late
-    switch of the forward); None for an FP4-forward run whose receipt has no such evaluation."""
+    switch of the forward); None for a run that did not finish, or an FP4-forward run whose
+    receipt has no such evaluation."""
+    if receipt.status != "ok":
+        return None
     if receipt.final.bf16_forward_val_loss is not None:
         return receipt.final.bf16_forward_val_loss
-    final = Recipe.from_dict(receipt.recipe).at_progress(1.0)
-    return None if final.fprop.quantized or final.fprop.rotated else final_loss(receipt)
+    return None if _ends_with_fp4_forward(receipt) else final_loss(receipt)
 
 
 def _same_forward_lines(runs: Runs, baselines: dict[str, str | None], arms: list[str]) -> list[str]:

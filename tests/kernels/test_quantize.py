@@ -273,6 +273,12 @@ def test_grouped_values_gemm_equals_the_listed_operands():
                                                  backend="triton"))
     with pytest.raises(ValueError, match="do not pair"):
         kernels.grouped_values_mm(a, w_t, backend="triton")  # K 64 against 16
+    # K not a multiple of 16: the tiles' padding columns are not rows of the transposed groups
+    w40 = kernels.quantize_grouped_values(w[:, :40], "nvfp4", [16] * 3, [4, 5, 6], backend="triton", pad=True,
+                                          block=(16, 16))
+    assert w40.values.shape == (48, 48) and w40.transposed(40).values.shape == (3 * 40, 16)
+    for got, alone in zip(w40.transposed(40).groups(), w40.groups()):
+        assert torch.equal(got.matrix, alone.transposed(40).matrix)
     with pytest.raises(ValueError, match="row groups of one size"):
         a.transposed(64)
     reference = kernels.grouped_values_mm(a, b, backend="reference")

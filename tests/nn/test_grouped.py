@@ -7,6 +7,7 @@ import importlib.util
 import pytest
 import torch
 
+from fp4lab.kernels import GroupedValues
 from fp4lab.nn import MoE, MoEConfig, quantize_model
 from fp4lab.nn import moe as moe_module
 from fp4lab.nn.linear import QuantContext, fp4_linear, grouped_fp4_linear
@@ -55,7 +56,11 @@ def test_grouped_experts_equal_the_per_expert_loop(name, backend, monkeypatch):
     overrides = {"keep_first": 0, "keep_last": 0} | ({"bf16_after": 0.0} if name == "late_bf16" else {})
     recipe = preset("nvfp4" if name == "late_bf16" else name)
     recipe = recipe.override(overrides) if name in ("nvfp4", "late_bf16") else recipe
+    transposed = []  # dgrad's weights taken as one GroupedValues (every expert live)
+    spy = GroupedValues.transposed
+    monkeypatch.setattr(GroupedValues, "transposed", lambda self, rows: (transposed.append(rows), spy(self, rows))[1])
     grouped = _run(recipe, True, backend, monkeypatch, all_live=all_live)
+    assert bool(transposed) == all_live
     loop = _run(recipe, False, backend, monkeypatch, all_live=all_live)
     if not all_live:
         assert float(grouped[2][2].abs().max()) == 0  # the expert without rows gets no gradient

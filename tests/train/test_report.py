@@ -116,3 +116,24 @@ def test_a_late_bf16_switch_is_compared_at_the_same_forward():
     assert cells[3].startswith("-0.0150 [")  # (-0.02 - 0.01) / 2, not (-0.08 - 0.08) / 2 against the FP4 forward
     assert cells[5].startswith("+0.0550 [")  # the weights against BF16: (0.05 + 0.06) / 2
     assert not [line for line in lines if line.startswith("| old - ")]
+
+
+def test_an_fp4_baseline_without_its_bf16_evaluation_gets_no_split():
+    # an older receipt of an FP4 baseline has no BF16-forward score: its own FP4 forward must not
+    # be read as a BF16 baseline's loss (the recipe says what it ran)
+    runs = runs_by_arm([receipt("fprop-seed0", "fprop", 0, 3.05), receipt("fprop-seed1", "fprop", 1, 3.06),
+                        receipt("fprop_dgrad-seed0", "fprop_dgrad", 0, 3.08, served=3.03),
+                        receipt("fprop_dgrad-seed1", "fprop_dgrad", 1, 3.09, served=3.04)])
+    assert served_lines(runs, {"fprop_dgrad": "fprop"}) == []  # no split, and no BF16 score to pair with
+
+
+def test_a_switch_at_the_very_end_is_still_an_fp4_forward():
+    # the final evaluation runs at the last step's progress, (steps - 1) / steps: bf16_after = 1.0
+    # never switches, so its final loss is an FP4-forward score, not a BF16 one
+    r = receipt_dict("late-seed0", "nvfp4", 0, 3.2)
+    r["recipe"].update(bf16_after=1.0, bf16_scope="all")
+    assert served_bf16(Receipt.from_dict(r)) is None
+    r["recipe"].update(bf16_after=0.95)  # step 19 of 20 (progress 0.95) ran in BF16
+    assert served_bf16(Receipt.from_dict(r)) == 3.2
+    r["status"] = "diverged"
+    assert served_bf16(Receipt.from_dict(r)) is None
