@@ -11,7 +11,7 @@ that alternate the arms; a ratio is the median over rounds of the round's step o
 round's BF16 step, with the rounds' range beside it. Each arm runs eager and under torch.compile (the FP4 GEMMs
 as nn.ops custom ops); a compiled FP4 arm is compared with compiled BF16, as users run it. ``--modes graphed``
 adds the eager step captured in one CUDA graph (train.graphed; dense models: MoE routing syncs),
-against graphed BF16.
+against graphed BF16, and ``compiled_graphed`` the compiled one.
 Writes benchmarks/results/model.json (d12; other models model_<name>.json) and the matching keys
 of latest.json: <name>_<arm>_step_over_bf16 (eager), <name>_<arm>_step_over_bf16_compiled (and _graphed).
 """
@@ -37,19 +37,21 @@ ARMS = ("bf16", "nvfp4", "nvfp4_plain", "mxfp4")
 
 def make_step(recipe_name: str, mode: str, args):
     """-> step(i): one training step (forward, backward, AdamW) of ``args.model`` under the recipe;
-    ``graphed``: the eager step captured in a CUDA graph (train.graphed), replayed per step."""
+    ``graphed`` / ``compiled_graphed``: the eager / compiled step captured in a CUDA graph
+    (train.graphed), replayed per step."""
     torch.manual_seed(0)
     model = GPT(model_config(args.model, seq_len=args.seq)).cuda()
     context = quantize_model(model, preset(recipe_name))
-    runner = torch.compile(model) if mode == "compiled" else model
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True, capturable=mode == "graphed")
+    runner = torch.compile(model) if mode.startswith("compiled") else model
+    graphed = mode.endswith("graphed")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True, capturable=graphed)
     idx = torch.randint(0, model.cfg.vocab_size, (args.batch, args.seq + 1), device="cuda")
-    if mode == "graphed":
+    if graphed:
         def loss_fn(batch: torch.Tensor) -> torch.Tensor:
             with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
-                return model(batch[:, :-1], batch[:, 1:])
-        graphed = GraphedStep(loss_fn, opt, context, (idx,))
-        return lambda i: graphed(i, idx)
+                return runner(batch[:, :-1], batch[:, 1:])
+        step = GraphedStep(loss_fn, opt, context, (idx,))
+        return lambda i: step(i, idx)
 
     def step(i: int) -> None:
         context.tick = i
@@ -86,7 +88,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     step_arguments(parser, warmup=5, steps=20)
     parser.add_argument("--arms", nargs="*", default=list(ARMS))
-    parser.add_argument("--modes", nargs="*", default=["eager", "compiled"], choices=["eager", "compiled", "graphed"])
+    parser.add_argument("--modes", nargs="*", default=["eager", "compiled"], choices=["eager", "compiled", "graphed", "compiled_graphed"])
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     tokens = args.batch * args.seq

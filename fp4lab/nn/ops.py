@@ -5,13 +5,15 @@ values) that dynamo cannot put in a graph, so a compiled FP4 model used to break
 every FP4 layer. Here the same two halves, ``gemms_forward`` and ``gemms_backward``, run inside
 two opaque ops whose arguments are all graph-friendly:
 
-    fp4lab::gemms           (x, weight, bias, sizes, layers, recipe, clock, rank, grouped) -> y
+    fp4lab::gemms           (x, weight, bias, sizes, layers, recipe, clock, rank, seeds, grouped) -> y
     fp4lab::gemms_backward  (dy, x, weight, ...same..., need_dx, need_dw) -> (dx, dw)
 
 ``layers`` are the layers' integer keys (gemms.layer_key) in a CPU int64 tensor (a module's
 ``keys``, made once: dynamo guards a tensor's metadata, where a Python constant would be a guard on
 its value, one compilation per layer name wherever a graph break splits the model into frames),
-``recipe`` a recipe's index in a registry of this process, ``clock`` the QuantContext's
+``recipe`` a recipe's index in a registry of this process, ``seeds`` the index of the context's
+nn.seeds.SeedTable (-1: none; with one, the kernels read every seed from its device buffer, so a
+CUDA graph around the compiled step draws each step's bits), ``clock`` the QuantContext's
 [tick, progress] tensor: the step changes a tensor's value, not a Python number dynamo would
 guard on, so the compiled graph serves every step without recompiling. Each op rebuilds the Calls
 from them (gemms.call_at), so its results are bit-identical to the eager path's (tested).
@@ -32,6 +34,7 @@ import torch
 
 from .gemms import QuantContext, call_at, capturing, gemms_backward, gemms_forward
 from .recipe import Recipe
+from .seeds import table_at
 
 _RECIPES: list[Recipe] = []  # index -> recipe (equal recipes share one index)
 _SEEN: list[tuple[Recipe, int]] = []  # every recipe object registered, with its index
@@ -67,57 +70,58 @@ def recipe_index(recipe: Recipe) -> int:
     return _register_traced(recipe)
 
 
-def _calls(layers: torch.Tensor, recipe: int, clock: torch.Tensor, rank: int):
-    if capturing():  # the ops rebuild Calls with int seeds: a CUDA graph would freeze the first step's
-        raise RuntimeError("the compiled FP4 ops draw int seeds, which a CUDA graph would freeze: capture the "
-                           "eager model (train.graphed)")
+def _calls(layers: torch.Tensor, recipe: int, clock: torch.Tensor, rank: int, seeds: int):
+    table = table_at(seeds)
+    if table is None and capturing():  # int seeds: a CUDA graph would freeze the first step's
+        raise RuntimeError("the compiled FP4 ops draw int seeds here, which a CUDA graph would freeze: give the "
+                           "QuantContext a nn.seeds.SeedTable before compiling (train.graphed does)")
     tick, progress = clock.tolist()
-    return [call_at(_RECIPES[recipe], layer, int(tick), progress, rank) for layer in layers.tolist()]
+    return [call_at(_RECIPES[recipe], layer, int(tick), progress, rank, seeds=table) for layer in layers.tolist()]
 
 
 @torch.library.custom_op("fp4lab::gemms", mutates_args=())
 def _gemms(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int], layers: torch.Tensor,
-           recipe: int, clock: torch.Tensor, rank: int, grouped: bool) -> torch.Tensor:
-    y, _ = gemms_forward(x, weight, bias, sizes, _calls(layers, recipe, clock, rank), grouped)
+           recipe: int, clock: torch.Tensor, rank: int, seeds: int, grouped: bool) -> torch.Tensor:
+    y, _ = gemms_forward(x, weight, bias, sizes, _calls(layers, recipe, clock, rank, seeds), grouped)
     return y
 
 
 @_gemms.register_fake
-def _(x, weight, bias, sizes, layers, recipe, clock, rank, grouped):
+def _(x, weight, bias, sizes, layers, recipe, clock, rank, seeds, grouped):
     return x.new_empty(x.shape[0], weight.shape[1])
 
 
 @torch.library.custom_op("fp4lab::gemms_backward", mutates_args=())
 def _gemms_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, sizes: list[int], layers: torch.Tensor,
-                    recipe: int, clock: torch.Tensor, rank: int, grouped: bool, need_dx: bool,
+                    recipe: int, clock: torch.Tensor, rank: int, seeds: int, grouped: bool, need_dx: bool,
                     need_dw: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    dx, dw = gemms_backward(dy, x, weight, sizes, _calls(layers, recipe, clock, rank), grouped,
+    dx, dw = gemms_backward(dy, x, weight, sizes, _calls(layers, recipe, clock, rank, seeds), grouped,
                             need_dx=need_dx, need_dw=need_dw)
     # an op returns tensors, never None: an empty one stands for a gradient not asked for
     return (dx if dx is not None else x.new_empty(0)), (dw if dw is not None else weight.new_empty(0))
 
 
 @_gemms_backward.register_fake
-def _(dy, x, weight, sizes, layers, recipe, clock, rank, grouped, need_dx, need_dw):
+def _(dy, x, weight, sizes, layers, recipe, clock, rank, seeds, grouped, need_dx, need_dw):
     return (torch.empty_like(x) if need_dx else x.new_empty(0)), (torch.empty_like(weight) if need_dw
                                                                    else weight.new_empty(0))
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    x, weight, bias, sizes, layers, recipe, clock, rank, grouped = inputs
+    x, weight, bias, sizes, layers, recipe, clock, rank, seeds, grouped = inputs
     ctx.save_for_backward(x, weight, clock.clone(), layers)  # the trainer may move the clock before backward
-    ctx.args = (sizes, recipe, rank, grouped)
+    ctx.args = (sizes, recipe, rank, seeds, grouped)
     ctx.has_bias = bias is not None
 
 
 def _backward(ctx, dy: torch.Tensor):
     x, weight, clock, layers = ctx.saved_tensors
-    sizes, recipe, rank, grouped = ctx.args
+    sizes, recipe, rank, seeds, grouped = ctx.args
     need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    dx, dw = torch.ops.fp4lab.gemms_backward(dy, x, weight, sizes, layers, recipe, clock, rank, grouped,
+    dx, dw = torch.ops.fp4lab.gemms_backward(dy, x, weight, sizes, layers, recipe, clock, rank, seeds, grouped,
                                              need_dx, need_dw)
     db = dy.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-    return (dx if need_dx else None), (dw if need_dw else None), db, None, None, None, None, None, None
+    return (dx if need_dx else None), (dw if need_dw else None), db, None, None, None, None, None, None, None
 
 
 _gemms.register_autograd(_backward, setup_context=_setup_context)
@@ -130,4 +134,6 @@ def fp4_gemms_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     ints folded into one), at the context's clock."""
     if not isinstance(layers, torch.Tensor):
         layers = torch.tensor(list(layers), dtype=torch.int64)
-    return _gemms(x, weight, bias, list(sizes), layers, recipe_index(recipe), context.clock, context.rank, grouped)
+    seeds = -1 if context.seeds is None else context.seeds.index
+    return _gemms(x, weight, bias, list(sizes), layers, recipe_index(recipe), context.clock, context.rank, seeds,
+                  grouped)

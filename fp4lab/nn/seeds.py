@@ -13,7 +13,7 @@ A slot is made the first time a (recipe seed, layer, rank, gemm, side) is drawn,
 the current tick; a graph must therefore be captured after a step has run eagerly (the warm-up
 CUDA graph capture asks for anyway), and a slot first drawn while capturing is refused.
 
-Public: ``SeedTable``.
+Public: ``SeedTable``, ``table_at``.
 """
 
 from __future__ import annotations
@@ -23,10 +23,22 @@ import torch
 from .quant import derive_seeds
 
 
+_TABLES: list["SeedTable"] = []  # every table of this process, by ``index`` (how the custom ops name one)
+
+
+def table_at(index: int) -> "SeedTable | None":
+    """The table whose ``index`` this is; None for -1 (seeds as kernel arguments)."""
+    return None if index < 0 else _TABLES[index]
+
+
 class SeedTable:
-    """Device-resident seeds of a model's FP4 layers (see the module doc)."""
+    """Device-resident seeds of a model's FP4 layers (see the module doc). ``index`` names it
+    among this process's tables: what nn.ops passes a compiled graph (an int it folds, not an
+    object it would have to trace)."""
 
     def __init__(self, device: torch.device | str, capacity: int = 4096):
+        self.index = len(_TABLES)
+        _TABLES.append(self)
         self.values = torch.zeros(capacity, dtype=torch.int64, device=device)
         self.specs: list[tuple[int, int, int, int, int]] = []  # (recipe seed, layer, rank, gemm, side) per slot
         self._index: dict[tuple[int, int, int, int, int], int] = {}

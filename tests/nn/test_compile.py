@@ -15,6 +15,7 @@ from fp4lab.nn import gemms as G
 from fp4lab.nn.gemms import QuantContext, call_at, fp4_gemms, layer_key
 from fp4lab.nn.ops import fp4_gemms_op
 from fp4lab.nn.recipe import nvfp4, preset
+from fp4lab.nn.seeds import SeedTable
 
 
 def _model(recipe: str):
@@ -153,3 +154,21 @@ def test_a_compiled_moe_model_compiles_no_more_frames_when_deeper():
     # own; a guard on a layer's name (the op's key as a Python constant) recompiled it per block
     # until dynamo's limit of 8 sent moe64's later blocks back to eager
     assert _frames_compiled(5) == _frames_compiled(3)  # block 0 is dense: 2 and 4 MoE blocks
+
+
+@torch._dynamo.config.patch(error_on_recompile=True)
+def test_a_compiled_model_reads_its_seeds_from_a_table_with_the_eager_bits():
+    """With a SeedTable on the context the custom ops build their calls on it (the table's index is
+    an op argument), so a CUDA graph around the compiled step would draw each step's seeds; the
+    bits are the eager int seeds', tick after tick, from one compilation."""
+    torch._dynamo.reset()
+    model = _model("nvfp4")
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    table = SeedTable("cpu", capacity=256)
+    for tick in (2, 3):
+        model.fp4_context.seeds = None
+        want = _loss_and_grads(model, model, tick)
+        model.fp4_context.seeds = table
+        got = _loss_and_grads(model, compiled, tick)
+        assert torch.equal(got[0], want[0]) and all(torch.equal(got[1][n], want[1][n]) for n in want[1])
+    assert table.specs  # the ops drew from the table
