@@ -21,7 +21,7 @@ from typing import Any
 from ..typecheck import field_types, fits, type_name
 
 
-_NOT_IDENTITY = ("out", "progress", "ckpt_every", "compile", "stop_at", "threads", "parallel")
+_NOT_IDENTITY = ("out", "progress", "ckpt_every", "compile", "cuda_graph", "stop_at", "threads", "parallel")
 
 
 def config_identity(values: dict[str, Any]) -> dict[str, Any]:
@@ -90,6 +90,11 @@ class TrainConfig:
     compile: bool = False
     """torch.compile the model: the FP4 GEMMs are custom ops (nn.ops), so a dense model is one graph
     that serves every step without recompiling; MoE routing breaks it at the per-expert counts."""
+    cuda_graph: bool = False
+    """Replay each step's forward and backward from one CUDA graph (train.graphed), the step's seeds
+    read from device memory (nn.seeds); clipping, the divergence check and the optimizers stay
+    eager, so the bits are the eager run's. One CUDA process, grad_accum 1, a dense model, no
+    weight dither; captured again after a late switch to BF16."""
     progress: bool = True
     stiction_every: int = 0
     """Every N steps, measure the fraction of FP4 weight codes each optimizer step flips
@@ -120,6 +125,9 @@ class TrainConfig:
             raise ValueError(f"training setting schedule={self.schedule!r} must be one of {', '.join(SCHEDULES)}")
         if self.parallel not in PARALLEL:
             raise ValueError(f"training setting parallel={self.parallel!r} must be one of {', '.join(PARALLEL)}")
+        if self.cuda_graph and self.grad_accum != 1:
+            raise ValueError(f"training setting cuda_graph=true replays one micro-batch per step: grad_accum must be 1, "
+                             f"got {self.grad_accum}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

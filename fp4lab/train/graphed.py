@@ -22,12 +22,17 @@ capture after the switch.
     step = GraphedStep(loss_fn, optimizer, context, inputs)  # warms up, then captures
     loss = step(tick, *batch)                                 # copies, refills seeds, replays
 
+With ``step=False`` the graph holds forward and backward only: the trainer (train.loop, setting
+``cuda_graph``) clips, checks for divergence and steps its optimizers eagerly after each replay,
+so a diverged step still moves no weight, and the warm-up changes nothing but the gradients.
+The gradients then live in the graph's memory: a caller must not set them to None.
+
 Public: ``GraphedStep``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -43,13 +48,15 @@ class GraphedStep:
     from any tick: ``step(tick, *batch)`` returns the step's loss (a device tensor, read it when
     needed)."""
 
-    def __init__(self, loss_fn: Callable[..., torch.Tensor], optimizer: torch.optim.Optimizer,
-                 context: QuantContext, inputs: tuple[torch.Tensor, ...], *, warmup: int = 3):
+    def __init__(self, loss_fn: Callable[..., torch.Tensor],
+                 optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer], context: QuantContext,
+                 inputs: tuple[torch.Tensor, ...], *, warmup: int = 3, step: bool = True):
         if not all(t.is_cuda for t in inputs):
             raise ValueError("a CUDA graph replays CUDA work: the inputs must be CUDA tensors")
         if context.seeds is None:
             context.seeds = SeedTable(inputs[0].device)
-        self.context, self.optimizer, self.loss_fn = context, optimizer, loss_fn
+        self.optimizers = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
+        self.context, self.loss_fn, self.step = context, loss_fn, step
         self.inputs = tuple(t.clone() for t in inputs)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -59,7 +66,8 @@ class GraphedStep:
                 self._body()
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        optimizer.zero_grad(set_to_none=True)  # gradients allocated by the graph, written afresh each replay
+        for opt in self.optimizers:  # gradients allocated by the graph, written afresh each replay
+            opt.zero_grad(set_to_none=True)
         try:
             with torch.cuda.graph(self.graph):
                 self.loss = self._body()
@@ -69,10 +77,13 @@ class GraphedStep:
                                f"weight dither, a compiled model): {exc}") from exc
 
     def _body(self) -> torch.Tensor:
-        self.optimizer.zero_grad(set_to_none=True)
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
         loss = self.loss_fn(*self.inputs)
         loss.backward()
-        self.optimizer.step()
+        if self.step:
+            for opt in self.optimizers:
+                opt.step()
         return loss.detach()
 
     def __call__(self, tick: int, *batch: torch.Tensor) -> torch.Tensor:

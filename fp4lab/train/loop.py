@@ -47,6 +47,7 @@ from tqdm import tqdm
 from ..nn import StictionMeter
 from ..nn.swap import coverage
 from .checkpoint import load_checkpoint, recover_interrupted_save, save_checkpoint
+from .graphed import GraphedStep
 from .config import TrainConfig
 from .lock import RunLock
 from .optim import lr_multiplier
@@ -204,9 +205,10 @@ def _steps(run: Run, state: RunState, metrics) -> None:
         bar = tqdm(total=cfg.steps, initial=state.step, desc=f"{run.recipe.name}", unit="step", leave=False)
     start, end = state.step, cfg.steps if cfg.stop_at is None else min(cfg.steps, cfg.stop_at)
     state.started = time.perf_counter()
+    graphs = {} if cfg.cuda_graph else None  # the captured step and the recipe it runs (_graphed_loss)
     for step in range(start, end):
         step_start = time.perf_counter()
-        measured = _step(run, state, step, stiction, metrics)
+        measured = _step(run, state, step, stiction, metrics, graphs)
         if measured is None:
             break
         train_loss, mult, norm = measured
@@ -231,9 +233,27 @@ def _steps(run: Run, state: RunState, metrics) -> None:
         bar.close()
 
 
-def _step(run: Run, state: RunState, step: int, stiction, metrics) -> tuple[float, float, float] | None:
+def _graphed_loss(run: Run, graphs: dict, step: int, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The step's forward and backward replayed from a CUDA graph (train.graphed), captured for
+    the recipe in force at this step's progress: again after a late switch to BF16."""
+    in_force = run.recipe.at_progress(run.context.progress)
+    if graphs.get("recipe") != in_force:
+        graphs.clear()  # the old graph's memory goes back before the new capture
+
+        def loss_fn(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            with torch.autocast(run.device.type, dtype=torch.bfloat16, cache_enabled=False):  # no cache across replays
+                return run.runner(x, y)
+        # the warm-up runs forward and backward only: it moves no weight
+        graphs["step"] = GraphedStep(loss_fn, run.optimizers, run.context, (x, y), warmup=2, step=False)
+        graphs["recipe"] = in_force
+    return graphs["step"](step, x, y)
+
+
+def _step(run: Run, state: RunState, step: int, stiction, metrics,
+          graphs: dict | None = None) -> tuple[float, float, float] | None:
     """One optimizer step -> (train loss, lr multiplier, gradient norm); None if it diverged
-    (``state`` says so, and no weight moved)."""
+    (``state`` says so, and no weight moved). With ``graphs`` (cuda_graph), the forward and
+    backward replay from a CUDA graph and the gradients stay in its memory (never set to None)."""
     cfg, device = run.cfg, run.device
     mult = lr_multiplier(step, cfg.steps, warmup=cfg.warmup, schedule=cfg.schedule, final=cfg.final_lr)
     for opt in run.optimizers:
@@ -243,6 +263,9 @@ def _step(run: Run, state: RunState, step: int, stiction, metrics) -> tuple[floa
     for m in range(cfg.grad_accum):
         run.context.tick, run.context.progress = step * cfg.grad_accum + m, step / cfg.steps
         x, y = run.stream.batch(step * cfg.grad_accum + m)
+        if graphs is not None:  # grad_accum is 1 (config)
+            loss_sum += _graphed_loss(run, graphs, step, x.to(device), y.to(device))
+            continue
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=run.autocast):
             loss = run.runner(x.to(device), y.to(device)) / cfg.grad_accum
         loss.backward()
@@ -266,7 +289,8 @@ def _step(run: Run, state: RunState, step: int, stiction, metrics) -> tuple[floa
         meter.before()
     for opt in run.optimizers:
         opt.step()
-        opt.zero_grad(set_to_none=True)
+        if graphs is None:  # a graph's gradients are its own memory, overwritten at each replay
+            opt.zero_grad(set_to_none=True)
     if meter is not None:
         rates = meter.after()
         state.flips.append([step + 1, rates["all"]])

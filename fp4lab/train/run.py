@@ -114,6 +114,18 @@ def _recipe(cfg: TrainConfig) -> Recipe:
         raise ValueError(f"recipe {cfg.recipe!r} with {cfg.recipe_overrides}: {err}") from err
 
 
+def _check_graphable(recipe: Recipe, model: GPT, device: torch.device, world: int) -> None:
+    """cuda_graph's conditions (train.graphed): a CUDA device, one process, no MoE block (routing
+    reads its counts on the host), no weight dither (int seeds a graph would freeze)."""
+    why = ("it needs a CUDA device" if device.type != "cuda" else
+           "one process only (DDP's collectives are not captured)" if world > 1 else
+           "MoE routing reads its expert counts on the host" if model.moe_layers() else
+           "weight dither draws int seeds that a graph would freeze" if recipe.fprop.b.dither or recipe.dgrad.b.dither
+           else None)
+    if why:
+        raise ValueError(f"training setting cuda_graph=true: {why}")
+
+
 def setup(cfg: TrainConfig) -> Run:
     """Ranks, data, model, recipe and optimizers -> the Run (the order fixes the random streams)."""
     rank, world, local_rank = _dist()
@@ -146,6 +158,8 @@ def setup(cfg: TrainConfig) -> Run:
     runner = wrap(model, cfg.parallel, world=world, device=device)
     optimizers = build_optimizers(model, lr=cfg.lr, weight_decay=cfg.weight_decay, dense=cfg.dense_opt,
                                   expert=cfg.expert_opt, muon_lr=cfg.muon_lr, embed_lr=cfg.embed_lr)
+    if cfg.cuda_graph:  # what a graph cannot replay is refused before training starts
+        _check_graphable(recipe, model, device, world)
     if cfg.compile:
         runner = torch.compile(runner)
     # what a checkpoint must match to be resumed; steps stays in: another budget is another schedule.

@@ -59,3 +59,31 @@ def test_a_captured_step_replays_the_eager_steps_bit_for_bit(recipe):
     for (name, p), q in zip(eager.named_parameters(), graphed.parameters()):
         assert torch.equal(p, q), name
     assert recipe == "bf16" or context.seeds.specs  # the FP4 kernels drew from the table
+
+
+def _config(token_file, out, **settings) -> "TrainConfig":
+    from fp4lab.train.loop import TrainConfig
+    return TrainConfig(out=str(out), model="tiny", data=str(token_file), steps=8, batch_size=4, seq_len=32, lr=3e-3,
+                       warmup=2, eval_every=4, eval_batches=1, log_every=4, progress=False, recipe="nvfp4",
+                       recipe_overrides={"keep_first": 0, "keep_last": 0, "bf16_after": 0.75}, **settings)
+
+
+def test_the_trainer_refuses_what_a_graph_cannot_replay(token_file, tmp_path):
+    from fp4lab.train.loop import train
+    with pytest.raises(ValueError, match="grad_accum must be 1"):
+        _config(token_file, tmp_path / "a", cuda_graph=True, grad_accum=2)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="needs a CUDA device"):
+            train(_config(token_file, tmp_path / "b", cuda_graph=True))
+
+
+@cuda
+def test_a_graphed_training_run_is_the_eager_run_bit_for_bit(token_file, tmp_path):
+    """NVIDIA's recipe with a late switch to BF16 at 75% (a second capture): every train loss,
+    every evaluation and the final BF16-forward evaluation equal the eager run's."""
+    from fp4lab.train.loop import train
+    eager = train(_config(token_file, tmp_path / "eager"))
+    graphed = train(_config(token_file, tmp_path / "graphed", cuda_graph=True))
+    assert graphed.train_curve == eager.train_curve
+    assert [e.val_loss for e in graphed.evals] == [e.val_loss for e in eager.evals]
+    assert graphed.final.bf16_forward_val_loss == eager.final.bf16_forward_val_loss
