@@ -96,6 +96,8 @@ class Operand:
             raise ValueError(f"dither is an amplitude in [0, 4] block-scale units, got {self.dither}")
         if self.dither and self.rounding is not Rounding.RTNE:
             raise ValueError("dither goes with rtne rounding (stochastic rounding already dithers)")
+        if self.dither and not self.quantized:  # refused here, not at the first step
+            raise ValueError(f"dither is in units of an FP4 block scale: a {self.format} operand has none")
 
     @property
     def quantized(self) -> bool:

@@ -113,6 +113,8 @@ def test_dither_is_a_weight_option_only():
         Recipe(fprop=GemmSpec(b=w), dgrad=GemmSpec(b=Operand(format="nvfp4")))
     with pytest.raises(ValueError, match="rtne"):
         Operand(format="nvfp4", dither=0.5, rounding="stochastic")
+    with pytest.raises(ValueError, match="has none"):  # a BF16 weight has no block scale to dither by
+        Recipe(fprop=GemmSpec(b=Operand(dither=0.5)))
 
 
 def test_bf16_after_switches_the_chosen_gemms():
