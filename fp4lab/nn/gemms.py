@@ -329,7 +329,7 @@ def gemms_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, size
     if w_values is None and need_dx and grouped and calls[0].dgrad_reuses_fprop_weight():
         # nothing kept (the custom ops of nn.ops): fprop's tiles of every expert made again in one
         # launch and transposed, rather than each expert's weight quantized along N on its own
-        w_values = _fprop_weights_at_once(weight, live_calls) or None
+        w_values = _fprop_weights_at_once(weight, live_calls)
     rows = [sizes[g] for g in live]
     xs, dys = (x.split(rows), dy.split(rows)) if grouped else ([x], [dy])
     dgrad, wgrad = calls[0].recipe.dgrad, calls[0].recipe.wgrad

@@ -47,15 +47,17 @@ from .recipe import GemmSpec, HadamardMode, Operand
 
 _MASK64 = (1 << 64) - 1
 FIXED_SIGNS_TAG = 0x51C7
+# SplitMix64: the fold's start, and the finalizer's two multipliers (shifts 30, 27, 31)
+_START, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 
 
 def derive_seed(*parts: int) -> int:
     """-> a seed in [0, 2**63) from integer parts (SplitMix64 finalizer folded over them)."""
-    h = 0x9E3779B97F4A7C15
+    h = _START
     for part in parts:
         h = (h ^ (part & _MASK64)) & _MASK64
-        h = ((h ^ (h >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-        h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & _MASK64
+        h = ((h ^ (h >> 30)) * _MIX1) & _MASK64
+        h = ((h ^ (h >> 27)) * _MIX2) & _MASK64
         h ^= h >> 31
     return h >> 1
 
@@ -69,11 +71,11 @@ def derive_seeds(first: Sequence[int], *parts: int | Sequence[int]) -> list[int]
         values = [part] if isinstance(part, int) else part
         return np.array([v & _MASK64 for v in values], dtype=np.uint64)
 
-    h = np.full(len(first), 0x9E3779B97F4A7C15, dtype=np.uint64)
+    h = np.full(len(first), _START, dtype=np.uint64)
     for part in (first, *parts):
         h ^= column(part)
-        h = (h ^ (h >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        h = (h ^ (h >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        h = (h ^ (h >> np.uint64(30))) * np.uint64(_MIX1)
+        h = (h ^ (h >> np.uint64(27))) * np.uint64(_MIX2)
         h ^= h >> np.uint64(31)
     return (h >> np.uint64(1)).tolist()
 

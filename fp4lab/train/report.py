@@ -153,28 +153,25 @@ def served_bf16(receipt: Receipt) -> float | None:
     return None if _ends_with_fp4_forward(receipt) else final_loss(receipt)
 
 
+def _served_or_nan(receipt: Receipt) -> float:
+    """served_bf16 as paired_gap's value: NaN (left out of the pairs) where there is none."""
+    value = served_bf16(receipt)
+    return math.nan if value is None else value
+
+
 def _same_forward_lines(runs: Runs, baselines: dict[str, str | None], arms: list[str]) -> list[str]:
     """Arms against an FP4 baseline compared with both sides served in BF16: an arm that ends
     with a BF16 forward (a late switch) is otherwise evaluated at another precision than its
     baseline, and its gain would mix better weights with the evaluation's forward."""
-    def served_gap(arm: str, base: str) -> tuple[list[int], Interval | None]:
-        shared = [s for s in sorted(set(runs[arm]) & set(runs[base]))
-                  if all(v is not None and math.isfinite(v) for v in (served_bf16(runs[arm][s]),
-                                                                      served_bf16(runs[base][s])))]
-        if not shared:
-            return [], None
-        return shared, interval({s: served_bf16(runs[arm][s]) - served_bf16(runs[base][s]) for s in shared},
-                                base_mean=statistics.fmean(served_bf16(runs[base][s]) for s in shared))
-
     plain = baseline_arm(runs)
     rows = []
     for arm in arms:
-        shared, gap = served_gap(arm, baselines[arm])
-        if not shared:
+        gap = paired_gap(runs[arm], runs[baselines[arm]], value=_served_or_nan)
+        if gap is None:
             continue
-        to_plain = served_gap(arm, plain)[1] if plain is not None else None
-        rows.append(f"| {arm} - {baselines[arm]} | {len(shared)} | "
-                    f"{_mean_sd([served_bf16(runs[arm][s]) for s in shared])} | {gap.text()} | {separation(gap)} | "
+        to_plain = paired_gap(runs[arm], runs[plain], value=_served_or_nan) if plain is not None else None
+        rows.append(f"| {arm} - {baselines[arm]} | {gap.n} | "
+                    f"{_mean_sd([served_bf16(runs[arm][s]) for s in gap.seeds])} | {gap.text()} | {separation(gap)} | "
                     f"{to_plain.text() if to_plain is not None else '-'} |")
     if not rows:
         return []
