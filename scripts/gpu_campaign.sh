@@ -15,7 +15,9 @@
 #                           fp4lab study NAME at $SCALE (default gpu-medium), N runs at once (default
 #                           $JOBS, else 6); finished runs are skipped, stopped ones resume from their
 #                           checkpoint, and runs that ran out of memory beside others are retried with
-#                           fewer at once. Output: runs/gpu/NAME at gpu-medium, NAME-X at gpu-X (e.g.
+#                           fewer at once; $SETS (space-separated KEY=VALUE) adds --set values that do not
+#                           change a run's identity, e.g. SETS=cuda_graph=true (2x a d6 run's tokens/s).
+#                           Output: runs/gpu/NAME at gpu-medium, NAME-X at gpu-X (e.g.
 #                           fidelity-stable), as results/ names them, so a scale never overwrites another's
 #   parallel:RECIPES:MODES  d6 at gpu-medium's settings, seed 0, under torchrun on every visible GPU, one
 #                           run per recipe x mode (ddp, fsdp), all at once -> runs/gpu/ddp/ (issue 18:
@@ -91,7 +93,7 @@ run_phases() {
                jobs=${JOBS:-6}; [[ $phase == *@* ]] && jobs=${phase##*@}
                scale=${SCALE:-gpu-medium}; dir=$name; [ "$scale" = gpu-medium ] || dir=$name-${scale#gpu-}
                python3 -m fp4lab study "$name" --scale "$scale" --jobs "$jobs" --out "$ROOT/$dir" \
-                 ${arms:+--arms ${arms//,/ }} 2>&1 | quiet | grep --line-buffered -v "^|" ;;
+                 ${arms:+--arms ${arms//,/ }} ${SETS:+$(printf -- '--set %s ' $SETS)} 2>&1 | quiet | grep --line-buffered -v "^|" ;;
       parallel:*) IFS=: read -r _ recipes modes <<< "$phase"; parallel "$recipes" "$modes" ;;
       sweep:*) IFS=: read -r _ model lrs millions tag sets <<< "$phase"; sweep "$model" "$lrs" "$millions" "$tag" "$sets" ;;
       *) echo "unknown phase $phase" ;;

@@ -116,7 +116,7 @@ def test_ragged_shapes_with_padding(lead, length, seed, fmt, sr):
 def assert_same_values(fast, ref):
     """BlockValues: the same bf16 bits (NaN blocks as NaN), rows and tensor scale."""
     assert fast.values.shape == ref.values.shape and fast.rows == ref.rows
-    f, r = fast.values.cpu().float(), ref.values.float()
+    f, r = fast.values.cpu().float(), ref.values.cpu().float()
     assert torch.equal(f.isnan(), r.isnan()) and torch.equal(f.nan_to_num(0.5), r.nan_to_num(0.5))
     assert (fast.tensor_scale is None) == (ref.tensor_scale is None)
     if ref.tensor_scale is not None:
