@@ -36,13 +36,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
 from tqdm import tqdm
 
+from ..nn import model_config
 from ..train.checkpoint import CheckpointError
 from ..train.corpus import CORPORA, default_dataset
 from ..train.config import config_identity
 from ..train.loop import TrainConfig, train
 from ..train.receipt import Receipt
+from ..train.run import graph_refusal, recipe_of
 from ..train.report import (arm_table, final_loss, gap_table, load_receipts, paired_gap, plots, provenance,
                             resolution_lines, runs_by_arm, served_lines)
 from ..train.stats import Interval, interval
@@ -82,6 +85,11 @@ class Scale:
     """What it is sized for (cpu, one H100, ...), for --list."""
     minutes_per_run: dict = field(default_factory=lambda: {"dense": 0.05, "deep": 0.05, "moe": 0.1})
     """Rough minutes per run by model size where it is sized for: --list multiplies it out."""
+    graph: bool = False
+    """On a CUDA device, replay each run's steps from a CUDA graph where the run allows it
+    (train.run.graph_refusal: dense, no weight dither): the same steps at about twice a small
+    model's tokens/s. Not part of a run's identity, so graphed and eager runs pair and skip alike;
+    ``--set cuda_graph=false`` keeps every run eager."""
 
     def config(self, size: str) -> dict:
         if size not in SIZES:
@@ -195,15 +203,22 @@ def arm_configs(study: Study, scale: Scale, out: Path, *, seeds: tuple[int, ...]
             raise ValueError(f"unknown training setting {key!r}; TrainConfig has: "
                              + ", ".join(sorted(f.name for f in dataclasses.fields(TrainConfig))))
     base = {**scale.config(study.size), **study.train, **changes}
+    graph = scale.graph and "cuda_graph" not in changes and torch.cuda.is_available()
     configs = []
     for seed in seeds or scale.seeds:
         for arm in study.arms:
             if arms and arm.name not in arms:
                 continue
             overrides = {**arm.recipe_overrides, "seed": seed}
-            configs.append(TrainConfig(**{**base, **arm.train}, out=str(Path(out) / f"{arm.name}-seed{seed}"),
-                                       recipe=arm.recipe, recipe_overrides=overrides, seed=seed, progress=False))
+            cfg = TrainConfig(**{**base, **arm.train}, out=str(Path(out) / f"{arm.name}-seed{seed}"),
+                              recipe=arm.recipe, recipe_overrides=overrides, seed=seed, progress=False)
+            configs.append(dataclasses.replace(cfg, cuda_graph=True) if graph and _graphable(cfg) else cfg)
     return configs
+
+
+def _graphable(cfg: TrainConfig) -> bool:
+    moe = model_config(cfg.model, **cfg.model_overrides).moe is not None
+    return cfg.grad_accum == 1 and graph_refusal(recipe_of(cfg), moe=moe) is None
 
 
 def _identities(receipt: Receipt, cfg: TrainConfig) -> tuple[dict, dict]:

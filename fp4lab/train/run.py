@@ -10,7 +10,7 @@ DistributedDataParallel or sharded by FSDP2 (``cfg.parallel``, train.parallel) b
 optimizers are built over its parameters. The data entry of the receipt (receipt.Data) is filled here, with the
 document split and the epochs the budget makes.
 
-Public: ``Run``, ``setup``.
+Public: ``Run``, ``setup``, ``recipe_of``, ``graph_refusal``.
 """
 
 from __future__ import annotations
@@ -106,7 +106,8 @@ def _is_text(path: Path) -> bool:
     return not any(p.suffix in (".bin", ".npy") for p in path.iterdir()) and not (path / "meta.json").is_file()
 
 
-def _recipe(cfg: TrainConfig) -> Recipe:
+def recipe_of(cfg: TrainConfig) -> Recipe:
+    """The recipe a run trains with: its preset or file, with the config's overrides."""
     try:
         recipe = load_recipe(cfg.recipe)
         return recipe.override(cfg.recipe_overrides) if cfg.recipe_overrides else recipe
@@ -114,16 +115,15 @@ def _recipe(cfg: TrainConfig) -> Recipe:
         raise ValueError(f"recipe {cfg.recipe!r} with {cfg.recipe_overrides}: {err}") from err
 
 
-def _check_graphable(recipe: Recipe, model: GPT, device: torch.device, world: int) -> None:
-    """cuda_graph's conditions (train.graphed): a CUDA device, one process, no MoE block (routing
-    reads its counts on the host), no weight dither (int seeds a graph would freeze)."""
-    why = ("it needs a CUDA device" if device.type != "cuda" else
-           "one process only (DDP's collectives are not captured)" if world > 1 else
-           "MoE routing reads its expert counts on the host" if model.moe_layers() else
-           "weight dither draws int seeds that a graph would freeze" if recipe.fprop.b.dither or recipe.dgrad.b.dither
-           else None)
-    if why:
-        raise ValueError(f"training setting cuda_graph=true: {why}")
+def graph_refusal(recipe: Recipe, *, moe: bool, device_type: str = "cuda", world: int = 1) -> str | None:
+    """Why a run cannot replay its steps from a CUDA graph (train.graphed), or None when it can:
+    a CUDA device, one process, no MoE block (routing reads its counts on the host), no weight
+    dither (int seeds a graph would freeze)."""
+    return ("it needs a CUDA device" if device_type != "cuda" else
+            "one process only (DDP's collectives are not captured)" if world > 1 else
+            "MoE routing reads its expert counts on the host" if moe else
+            "weight dither draws int seeds that a graph would freeze" if recipe.fprop.b.dither or recipe.dgrad.b.dither
+            else None)
 
 
 def setup(cfg: TrainConfig) -> Run:
@@ -135,7 +135,7 @@ def setup(cfg: TrainConfig) -> Run:
         torch.cuda.set_device(device)
     if cfg.batch_size % (cfg.grad_accum * world):
         raise ValueError(f"batch_size {cfg.batch_size} must divide by grad_accum x ranks = {cfg.grad_accum * world}")
-    recipe = _recipe(cfg)  # a bad recipe is refused before the data is read
+    recipe = recipe_of(cfg)  # a bad recipe is refused before the data is read
     tokens, path, meta = _tokens(cfg)
     vocab = meta.get("vocab_size") or int(tokens.max()) + 1
     mcfg = model_config(cfg.model, vocab_size=vocab, seq_len=cfg.seq_len, **cfg.model_overrides)
@@ -159,7 +159,9 @@ def setup(cfg: TrainConfig) -> Run:
     optimizers = build_optimizers(model, lr=cfg.lr, weight_decay=cfg.weight_decay, dense=cfg.dense_opt,
                                   expert=cfg.expert_opt, muon_lr=cfg.muon_lr, embed_lr=cfg.embed_lr)
     if cfg.cuda_graph:  # what a graph cannot replay is refused before training starts
-        _check_graphable(recipe, model, device, world)
+        why = graph_refusal(recipe, moe=bool(model.moe_layers()), device_type=device.type, world=world)
+        if why:
+            raise ValueError(f"training setting cuda_graph=true: {why}")
     if cfg.compile:
         runner = torch.compile(runner)
     # what a checkpoint must match to be resumed; steps stays in: another budget is another schedule.
