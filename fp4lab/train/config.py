@@ -21,7 +21,8 @@ from typing import Any
 from ..typecheck import field_types, fits, type_name
 
 
-_NOT_IDENTITY = ("out", "progress", "ckpt_every", "compile", "cuda_graph", "stop_at", "threads", "parallel")
+_NOT_IDENTITY = ("out", "progress", "ckpt_every", "compile", "cuda_graph", "deterministic", "stop_at", "threads",
+                 "parallel")
 
 
 def config_identity(values: dict[str, Any]) -> dict[str, Any]:
@@ -95,6 +96,12 @@ class TrainConfig:
     read from device memory (nn.seeds); clipping, the divergence check and the optimizers stay
     eager, so the bits are the eager run's. One CUDA process, grad_accum 1, a dense model, no
     weight dither; captured again after a late switch to BF16."""
+    deterministic: bool = False
+    """Same bits on every rerun of a GPU run (torch.use_deterministic_algorithms, cuBLAS's fixed
+    workspaces; restored when the run ends). By default the two runs of one config on a GPU part
+    within a few steps: the attention backward PyTorch picks on an H100 (cuDNN's) accumulates in
+    an order that varies at large batches. Slower; the math is the same, so not part of a run's
+    identity. CPU runs are deterministic either way."""
     progress: bool = True
     stiction_every: int = 0
     """Every N steps, measure the fraction of FP4 weight codes each optimizer step flips

@@ -241,6 +241,20 @@ def test_a_second_writer_of_a_run_folder_is_refused_and_threads_are_restored(tok
     assert torch.get_num_threads() == before  # the run's CPU thread count does not leak out
 
 
+@pytest.mark.parametrize("model", ["tiny", "moe-tiny"])
+def test_deterministic_runs_give_the_default_bits_on_a_cpu_and_the_setting_does_not_leak(token_file, tmp_path,
+                                                                                          model):
+    """On a CPU every run is reproducible already: deterministic=true must change no bit (its
+    ops all have deterministic kernels, MoE routing included), and torch's global switch is
+    back where it was once the run ends."""
+    import torch
+    plain = train(_cfg(token_file, tmp_path / "plain", model=model, recipe="nvfp4", steps=4, eval_every=2))
+    strict = train(_cfg(token_file, tmp_path / "strict", model=model, recipe="nvfp4", steps=4, eval_every=2,
+                        deterministic=True))
+    assert strict.train_curve == plain.train_curve and strict.final.val_loss == plain.final.val_loss
+    assert strict.config["deterministic"] is True and not torch.are_deterministic_algorithms_enabled()
+
+
 def test_a_run_folder_is_never_replaced_silently(token_file, tmp_path, capsys):
     run = tmp_path / "run"
     first = train(_cfg(token_file, run, steps=2))
