@@ -374,7 +374,9 @@ def load_study(study: Study, out: Path) -> dict[str, dict[int, Receipt]]:
     shared = {}
     for arm in study.arms:
         for receipt in found.get(arm.name, {}).values():
-            config = {k: v for k, v in receipt.config.items() if k not in _PER_RUN and k not in arm.train}
+            # how a run was driven (graphed, compiled, deterministic, ...) is not what it is
+            config = {k: v for k, v in config_identity(receipt.config).items()
+                      if k not in _PER_RUN and k not in arm.train}
             for key, value in config.items():
                 first = shared.setdefault(key, (value, receipt.name))
                 if first[0] != value:

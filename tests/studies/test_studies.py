@@ -64,6 +64,10 @@ def test_a_finished_run_is_kept_and_a_changed_one_refused_unless_replaced(tmp_pa
     (tmp_path / "bf16-seed9" / "receipt.json").write_text(json.dumps(stray))
     with pytest.raises(ValueError, match="steps is 5 in .* but 7 in bf16-seed9"):
         load_study(study, tmp_path)
+    # one driven another way (graphed, compiled, deterministic) is the same run: it is read in
+    stray["config"].update(steps=5, cuda_graph=True, compile=True, deterministic=True)
+    (tmp_path / "bf16-seed9" / "receipt.json").write_text(json.dumps(stray))
+    assert 9 in load_study(study, tmp_path)["bf16"]
 
 
 def test_seeds_vary_init_data_and_rounding_together(tmp_path):
