@@ -73,12 +73,12 @@ SCALES = {s.name: s for s in (
     Scale(name="gpu-stable", dense=_D6_STABLE, deep=_D12_STABLE,
           # d12 and MoE warm up over gpu-medium's tokens (d6 keeps the 200 steps its sweep measured)
           moe={**_D6_STABLE, "model": "moe64", "steps": 500, "lr": 1e-3, "warmup": 100, "eval_every": 125},
-          # measured on an H100: a d6 run at this batch holds ~15 GB (six at once ran out of memory),
-          # one NVFP4 d6 run alone trains its 100M tokens in 2.9 minutes, five sharing the card took
-          # 8-10 minutes each; six d12 runs (64 x 1024), three at a time, took 25 minutes in all
-          seeds=(0, 1, 2), where="one H100, 3 runs at once", minutes_per_run={"dense": 2.5, "deep": 4.5, "moe": 15.0},
-          # dense runs replay their steps from a CUDA graph (measured 2026-11-25: 2x a d6 run's tokens/s)
-          graph=True),
+          # measured on an H100: eager, one NVFP4 d6 run alone trains its 100M tokens in 2.9 minutes,
+          # four sharing the card took 11.7 minutes; six d12 runs (64 x 1024), three at a time, took
+          # 25 minutes in all. Graphed (the default here for dense runs), six d6 runs at once took
+          # 6.2 minutes (61 GB of the card's 80)
+          seeds=(0, 1, 2), where="one H100, 6 dense runs at once",
+          minutes_per_run={"dense": 1.1, "deep": 4.5, "moe": 15.0}, graph=True),
 )}
 
 
