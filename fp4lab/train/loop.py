@@ -88,6 +88,9 @@ class RunState:
     bf16_forward_val: float | None = None
     """The last evaluation of an FP4 run's weights with every GEMM in BF16 (None: not an FP4
     forward, or not evaluated yet)."""
+    fp4_forward_val: float | None = None
+    """The last evaluation of a run that switched to a BF16 forward late (``bf16_after``), again
+    with the FP4 forward it trained with before (None: no such switch, or not evaluated yet)."""
 
     def wall_s(self) -> float:
         return self.wall_before + time.perf_counter() - self.started
@@ -95,14 +98,15 @@ class RunState:
     def extra(self) -> dict[str, Any]:
         """The checkpoint's state.json entries (beside its step and identity)."""
         return {"evals": [dataclasses.asdict(e) for e in self.evals], "train": self.train_curve,
-                "flips": self.flips, "wall_s": self.wall_s(), "bf16_forward_val": self.bf16_forward_val}
+                "flips": self.flips, "wall_s": self.wall_s(), "bf16_forward_val": self.bf16_forward_val,
+                "fp4_forward_val": self.fp4_forward_val}
 
     @classmethod
     def from_checkpoint(cls, state: dict[str, Any]) -> "RunState":
         """A checkpoint's state.json (``extra`` plus its step) -> the state to continue from."""
         return cls(step=state["step"], evals=[Eval(**e) for e in state["evals"]], train_curve=state["train"],
                    flips=state.get("flips", []), wall_before=state["wall_s"], last_ckpt=state["step"] or None,
-                   bf16_forward_val=state.get("bf16_forward_val"))
+                   bf16_forward_val=state.get("bf16_forward_val"), fp4_forward_val=state.get("fp4_forward_val"))
 
 
 def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False) -> Receipt:
@@ -310,16 +314,20 @@ def _step(run: Run, state: RunState, step: int, stiction, metrics,
 
 # ---- evaluation and checkpoints --------------------------------------------------------------
 
-def _evaluate(run: Run, *, full: bool, bf16_forward: bool = False) -> float:
+def _evaluate(run: Run, *, full: bool, bf16_forward: bool = False, fp4_forward: bool = False) -> float:
     """Mean validation loss per token: over ``eval_batches`` batches, or the whole split (full).
-    ``bf16_forward``: the same weights with every GEMM in BF16 (the eager model: the compiled
-    ops follow the recipe alone)."""
-    cfg, device, model = run.cfg, run.device, (run.model if bf16_forward else run.runner)
+    ``bf16_forward``: the same weights with every GEMM in BF16; ``fp4_forward``: with the recipe
+    as it was before a late switch to BF16 (both on the eager model: the compiled ops follow the
+    recipe alone)."""
+    cfg, device, model = run.cfg, run.device, (run.model if bf16_forward or fp4_forward else run.runner)
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=device)
     which = (None if full else cfg.eval_batches, cfg.batch_size // cfg.grad_accum)
     batches = 0
+    progress = run.context.progress
     run.context.forward_bf16 = bf16_forward
+    if fp4_forward:
+        run.context.progress = 0.0  # the recipe in force before any late switch
     try:
         with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=run.autocast):
             for x, y in run.stream.val_batches(*which):
@@ -330,8 +338,8 @@ def _evaluate(run: Run, *, full: bool, bf16_forward: bool = False) -> float:
             if is_sharded(run.model):  # each forward all-gathers: a rank with an empty last share runs an idle one
                 for _ in range(run.stream.val_batch_count(*which) - batches):
                     model(torch.zeros(1, cfg.seq_len, dtype=torch.long, device=device))
-    finally:  # a failed evaluation must not leave the model serving BF16
-        run.context.forward_bf16 = False
+    finally:  # a failed evaluation must not leave the model serving BF16 (or the old recipe)
+        run.context.forward_bf16, run.context.progress = False, progress
         model.train()
     if dist.is_initialized():
         dist.all_reduce(total)
@@ -345,6 +353,14 @@ def _serves_fp4(run: Run) -> bool:
     return bool(coverage(run.model)["linears"]["fp4"]) and (final.fprop.quantized or final.fprop.rotated)
 
 
+def _switched_from_fp4(run: Run) -> bool:
+    """Whether the run trained with an FP4 forward and switched it to BF16 late (``bf16_after``),
+    so that its final evaluation runs a BF16 forward."""
+    first = run.recipe.at_progress(0.0)
+    return (bool(coverage(run.model)["linears"]["fp4"]) and (first.fprop.quantized or first.fprop.rotated)
+            and not _serves_fp4(run))
+
+
 def _evaluate_if_due(run: Run, state: RunState, metrics) -> None:
     last = state.step == run.cfg.steps
     due = run.cfg.eval_every > 0 and state.step % run.cfg.eval_every == 0  # 0: only the last
@@ -355,6 +371,9 @@ def _evaluate_if_due(run: Run, state: RunState, metrics) -> None:
         if last and _serves_fp4(run):  # the same weights served in BF16: the gap's inference share
             state.bf16_forward_val = _evaluate(run, full=True, bf16_forward=True)
             _log(metrics, {"step": state.step, "val_loss_bf16_forward": state.bf16_forward_val})
+        if last and _switched_from_fp4(run):  # the same weights served in FP4, as before the switch
+            state.fp4_forward_val = _evaluate(run, full=True, fp4_forward=True)
+            _log(metrics, {"step": state.step, "val_loss_fp4_forward": state.fp4_forward_val})
 
 
 def _checkpoint_if_due(run: Run, state: RunState, end: int) -> None:
@@ -383,7 +402,7 @@ def _receipt(run: Run, state: RunState) -> Receipt:
         train_curve=tuple(map(tuple, state.train_curve[:: max(1, len(state.train_curve) // 500)])),
         final=Final(val_loss=vals[-1] if vals else None, min_val_loss=min(vals) if vals else None,
                     train_loss=state.train_curve[-1][1] if state.train_curve else None, steps=state.step,
-                    bf16_forward_val_loss=state.bf16_forward_val),
+                    bf16_forward_val_loss=state.bf16_forward_val, fp4_forward_val_loss=state.fp4_forward_val),
         wall_s=state.wall_s(), tokens_per_s=tokens_per_s,
         mfu=tokens_per_s * run.flops_per_token / run.peak if tokens_per_s and run.peak else None,
         flip_rate=tuple(map(tuple, state.flips)))

@@ -4,7 +4,7 @@ about the machine and the code (``environment``, ``peak_flops``, ``kernels_backe
 A receipt is what ran and what came out of one training run (train.loop writes it; report,
 studies, generate and the CLI read it). On disk it is JSON, one object:
 
-    schema        3 (RECEIPT_SCHEMA)
+    schema        4 (RECEIPT_SCHEMA)
     name, status, message        the run directory's name; "ok" / "stopped" / "diverged"; why
     config, recipe, recipe_text, model     TrainConfig, Recipe and ModelConfig as dicts
     params, active_params        parameter counts (all; those a token meets)
@@ -17,7 +17,8 @@ studies, generate and the CLI read it). On disk it is JSON, one object:
     evals         ``Eval`` per evaluation (step, tokens, val_loss)
     train_curve   [step, train loss] pairs (at most about 500)
     final         ``Final``: last and best val loss, last train loss, steps done, and for a run
-                  whose forward runs FP4 the last val loss of its weights with a BF16 forward
+                  whose forward runs FP4 the last val loss of its weights with a BF16 forward; for
+                  one that switched its forward to BF16 late, the same with its FP4 forward
     wall_s, tokens_per_s, mfu    wall seconds over all sessions; throughput past the first steps
     flip_rate     [step, fraction of FP4 weight codes one optimizer step flipped]
 
@@ -25,7 +26,8 @@ Reading (``Receipt.from_dict``, ``Receipt.load``) validates: a missing key or a 
 wrong type is a ValueError naming the file and the key. Older schemas are upgraded on read:
 schema 1 (no ``backend``: read as "unknown"; its early receipts also lack ``coverage``, read as
 None, and ``data.eot_id`` / ``split`` / ``epochs``, read as None); schema 2 (no
-``final.bf16_forward_val_loss``: read as None). A newer schema is refused.
+``final.bf16_forward_val_loss``: read as None); schema 3 (no ``final.fp4_forward_val_loss``:
+read as None). A newer schema is refused.
 Unknown top-level keys (a newer writer's, or notes added by hand) are kept in ``extra`` and
 written back by ``to_dict``; unknown keys inside final, evals, data and git are ignored.
 ``receipt[key]`` reads the JSON form, for scripts written against the dict receipts.
@@ -57,7 +59,7 @@ from typing import Any, ClassVar
 
 import torch
 
-RECEIPT_SCHEMA = 3
+RECEIPT_SCHEMA = 4
 STATUSES = ("ok", "stopped", "diverged")
 
 
@@ -85,6 +87,10 @@ class Final:
     """The last evaluation again, the same weights with every GEMM in BF16: what an FP4-trained
     model loses to its FP4 forward at inference (val_loss - this) against what training in FP4
     did to its weights (this - BF16's val_loss). None where the forward runs no FP4 GEMM."""
+    fp4_forward_val_loss: float | None
+    """For a run that switched its forward to BF16 late (``bf16_after``): the last evaluation
+    again with the FP4 forward it trained with before the switch, the model as served in FP4.
+    None for every other run (its val_loss is already scored through its own forward)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -245,7 +251,14 @@ def _upgrade_2(data: dict) -> dict:
     return data
 
 
-_UPGRADES = {1: _upgrade_1, 2: _upgrade_2}
+def _upgrade_3(data: dict) -> dict:
+    """Schema 3 -> 4: a late switch's final weights were not evaluated with the FP4 forward."""
+    if isinstance(data.get("final"), dict):
+        data = {**data, "final": {"fp4_forward_val_loss": None, **data["final"]}}
+    return data
+
+
+_UPGRADES = {1: _upgrade_1, 2: _upgrade_2, 3: _upgrade_3}
 """{schema: the function that lifts a receipt of that schema to the next}."""
 
 

@@ -17,7 +17,7 @@ into its forward's and its weights' shares, where receipts hold a BF16-forward e
 against an FP4 baseline compared with both served in BF16) are shared with the study reports.
 
 Public: ``load_receipts``, ``arm_name``, ``runs_by_arm``, ``final_loss``, ``paired_gap``,
-``baseline_arm``, ``gap_table``, ``arm_table``, ``served_lines``, ``served_bf16``, ``plots``, ``report``.
+``baseline_arm``, ``gap_table``, ``arm_table``, ``served_lines``, ``served_bf16``, ``served_fp4``, ``plots``, ``report``.
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ def served_lines(runs: dict[str, dict[int, Receipt]], baselines: dict[str, str |
         "FP4 training left in the weights.", "",
         "| arm | seeds | final val, BF16 forward | FP4 forward - BF16 forward, nats [95% CI] (%) | "
         "BF16 forward - baseline, nats [95% CI] (%) |", "|---|---|---|---|---|", *rows]
-    return lines + _same_forward_lines(runs, baselines, fp4_based)
+    return lines + _same_forward_lines(runs, baselines, fp4_based) + _fp4_forward_lines(runs, baselines, fp4_based)
 
 
 def _ends_with_fp4_forward(receipt: Receipt) -> bool:
@@ -181,6 +181,43 @@ def _same_forward_lines(runs: Runs, baselines: dict[str, str | None], arms: list
             f"arm's weights against the plain BF16 arm ({plain or 'none here'}), the same way.", "",
             "| comparison | seeds | arm's final val, BF16 forward | paired, both BF16 forward, nats [95% CI] (%) | "
             "separated? | weights' gap to BF16, nats [95% CI] (%) |", "|---|---|---|---|---|---|", *rows]
+
+
+def served_fp4(receipt: Receipt) -> float | None:
+    """The final validation loss of the run's weights served with its FP4 forward: the FP4-forward
+    evaluation of a late switch to BF16, or the final loss of a run whose last steps ran FP4
+    anyway; None for a run that did not finish, or a switched run whose receipt has none."""
+    if receipt.status != "ok":
+        return None
+    if receipt.final.fp4_forward_val_loss is not None:
+        return receipt.final.fp4_forward_val_loss
+    return final_loss(receipt) if _ends_with_fp4_forward(receipt) else None
+
+
+def _fp4_forward_lines(runs: Runs, baselines: dict[str, str | None], arms: list[str]) -> list[str]:
+    """Arms that switched to a BF16 forward late, against their FP4 baseline with both sides
+    served in FP4: whether the switch's weights are better as an FP4 model."""
+    rows = []
+    for arm in arms:
+        if not any(r.final.fp4_forward_val_loss is not None for r in runs[arm].values()):
+            continue
+        gap = paired_gap(runs[arm], runs[baselines[arm]], value=_fp4_or_nan)
+        if gap is None:
+            continue
+        served = _mean_sd([served_fp4(runs[arm][s]) for s in gap.seeds])
+        rows.append(f"| {arm} - {baselines[arm]} | {gap.n} | {served} | {gap.text()} | {separation(gap)} |")
+    if not rows:
+        return []
+    return ["", "The arms that switched their forward to BF16 late, with their final weights served through the "
+            "FP4 forward they trained with before the switch, against their FP4 baseline as run: whether the "
+            "switch leaves a better FP4 model.", "",
+            "| comparison | seeds | arm's final val, FP4 forward | paired, both FP4 forward, nats [95% CI] (%) | "
+            "separated? |", "|---|---|---|---|---|", *rows]
+
+
+def _fp4_or_nan(receipt: Receipt) -> float:
+    value = served_fp4(receipt)
+    return math.nan if value is None else value
 
 
 def separation(iv: Interval | None) -> str:

@@ -7,7 +7,8 @@ from fp4lab.train.receipt import RECEIPT_SCHEMA, Receipt
 
 
 def receipt_dict(name: str = "bf16-seed0", recipe: str = "bf16", seed: int = 0, final: float | None = 3.0, *,
-                 status: str = "ok", curve=(4.0, 3.5), flip_rate=(), served: float | None = None) -> dict:
+                 status: str = "ok", curve=(4.0, 3.5), flip_rate=(), served: float | None = None,
+                 served_fp4: float | None = None) -> dict:
     """A complete receipt.json object: evals at steps 10, 20, ... ending at ``final``."""
     evals = [{"step": 10 * (i + 1), "tokens": 1000 * (i + 1), "val_loss": v} for i, v in enumerate(curve)]
     evals[-1]["val_loss"] = final if final is not None else float("nan")
@@ -21,7 +22,7 @@ def receipt_dict(name: str = "bf16-seed0", recipe: str = "bf16", seed: int = 0, 
             "device": "cpu", "versions": {"torch": "x"}, "backend": "reference", "evals": evals,
             "train_curve": [[10, 4.1], [20, 3.6]],
             "final": {"val_loss": final, "min_val_loss": final, "train_loss": 3.6, "steps": 20,
-                      "bf16_forward_val_loss": served},
+                      "bf16_forward_val_loss": served, "fp4_forward_val_loss": served_fp4},
             "wall_s": 1.0, "tokens_per_s": 100.0, "mfu": None, "flip_rate": [list(p) for p in flip_rate]}
 
 

@@ -30,7 +30,7 @@ def test_receipt_is_complete_and_loss_falls(token_file, tmp_path):
     receipt = train(_cfg(token_file, tmp_path / "run", steps=30, eval_every=10, recipe="nvfp4_plain",
                          stiction_every=10))
     on_disk = json.loads((tmp_path / "run" / "receipt.json").read_text())
-    assert set(on_disk) == RECEIPT_KEYS and on_disk == receipt.to_dict() and on_disk["schema"] == 3
+    assert set(on_disk) == RECEIPT_KEYS and on_disk == receipt.to_dict() and on_disk["schema"] == 4
     assert Receipt.load(tmp_path / "run") == receipt  # what is read back is what was written
     assert receipt.status == "ok" and receipt.final.steps == 30
     assert [e.step for e in receipt.evals] == [10, 20, 30]
@@ -53,6 +53,30 @@ def test_receipt_is_complete_and_loss_falls(token_file, tmp_path):
     served = receipt.final.bf16_forward_val_loss
     assert served is not None and served != receipt.final.val_loss and abs(served - receipt.final.val_loss) < 0.2
     assert [l["val_loss_bf16_forward"] for l in lines if "val_loss_bf16_forward" in l] == [served]
+
+
+def test_a_late_switch_is_scored_again_through_the_fp4_forward_it_left(token_file, tmp_path):
+    """A run whose forward switched to BF16 late is evaluated once more with the FP4 forward it
+    trained with: bit for bit what its final weights give under the recipe without the switch.
+    A run without a switch records none."""
+    from fp4lab.train.parallel import load_model_state
+    from fp4lab.train.loop import _evaluate
+    from fp4lab.train.run import setup
+    nv = {"keep_first": 0, "keep_last": 0}
+    switched = train(_cfg(token_file, tmp_path / "switch", recipe="nvfp4", steps=8, eval_every=4,
+                          recipe_overrides={**nv, "bf16_after": 0.75, "bf16_scope": "forward"}))
+    served = switched.final.fp4_forward_val_loss
+    assert served is not None and served != switched.final.val_loss
+    assert switched.final.bf16_forward_val_loss is None  # its last forward is BF16 already
+    lines = [json.loads(l) for l in (tmp_path / "switch" / "metrics.jsonl").read_text().splitlines()]
+    assert [l["val_loss_fp4_forward"] for l in lines if "val_loss_fp4_forward" in l] == [served]
+    run = setup(_cfg(token_file, tmp_path / "unswitched", recipe="nvfp4", steps=8, recipe_overrides=nv))
+    load_model_state(run.model, load_file(str(tmp_path / "switch" / "checkpoint" / "model.safetensors")))
+    run.context.progress = 7 / 8  # where the final evaluation runs
+    assert _evaluate(run, full=True) == served
+    assert run.context.progress == 7 / 8 and not run.context.forward_bf16
+    plain = train(_cfg(token_file, tmp_path / "plain", recipe="nvfp4", steps=8, eval_every=4, recipe_overrides=nv))
+    assert plain.final.fp4_forward_val_loss is None and plain.final.bf16_forward_val_loss is not None
 
 
 @pytest.mark.parametrize("recipe", ["bf16", "nvfp4"])

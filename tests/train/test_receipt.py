@@ -72,25 +72,36 @@ def test_unreadable_or_missing_receipts_are_clear_errors(tmp_path):
 def test_a_schema_1_receipt_is_upgraded_on_read():
     old = receipt_dict()
     old["schema"] = 1
-    del old["backend"], old["coverage"], old["final"]["bf16_forward_val_loss"]
+    del old["backend"], old["coverage"], old["final"]["bf16_forward_val_loss"], old["final"]["fp4_forward_val_loss"]
     for key in ("eot_id", "split", "epochs"):  # the receipts before the document split
         del old["data"][key]
     receipt = Receipt.from_dict(old)
     assert receipt.backend == "unknown" and receipt.coverage is None
     assert (receipt.data.eot_id, receipt.data.split, receipt.data.epochs) == (None, None, None)
-    assert receipt.final.bf16_forward_val_loss is None
-    assert receipt.to_dict()["schema"] == RECEIPT_SCHEMA == 3
+    assert receipt.final.bf16_forward_val_loss is None and receipt.final.fp4_forward_val_loss is None
+    assert receipt.to_dict()["schema"] == RECEIPT_SCHEMA == 4
 
 
 def test_a_schema_2_receipt_is_upgraded_on_read():
     old = receipt_dict(final=2.5)
     old["schema"] = 2
-    del old["final"]["bf16_forward_val_loss"]  # schema 2 did not evaluate a BF16 forward
+    del old["final"]["bf16_forward_val_loss"], old["final"]["fp4_forward_val_loss"]  # schema 2 evaluated neither
     with pytest.raises(ValueError, match="bf16_forward_val_loss"):  # a schema-3 receipt must have it
         Receipt.from_dict({**old, "schema": 3})
     receipt = Receipt.from_dict(old)
     assert receipt.final.bf16_forward_val_loss is None and receipt.final.val_loss == 2.5
     assert receipt.to_dict()["final"]["bf16_forward_val_loss"] is None
+
+
+def test_a_schema_3_receipt_is_upgraded_on_read():
+    old = receipt_dict(final=2.5, served=2.4)
+    old["schema"] = 3
+    del old["final"]["fp4_forward_val_loss"]  # schema 3 did not evaluate a late switch's FP4 forward
+    with pytest.raises(ValueError, match="fp4_forward_val_loss"):  # a schema-4 receipt must have it
+        Receipt.from_dict({**old, "schema": 4})
+    receipt = Receipt.from_dict(old)
+    assert receipt.final.fp4_forward_val_loss is None and receipt.final.bf16_forward_val_loss == 2.4
+    assert receipt.to_dict()["schema"] == 4 and receipt.to_dict()["final"]["fp4_forward_val_loss"] is None
 
 
 def test_every_committed_receipt_loads():

@@ -8,7 +8,7 @@ import pytest
 
 from fp4lab.train.receipt import Receipt
 from fp4lab.train.report import (arm_table, gap_table, paired_gap, provenance, report, runs_by_arm, served_bf16,
-                                 served_lines)
+                                 served_fp4, served_lines)
 from tests.train.receipts import make_receipt as receipt
 from tests.train.receipts import receipt_dict
 
@@ -116,6 +116,30 @@ def test_a_late_bf16_switch_is_compared_at_the_same_forward():
     assert cells[3].startswith("-0.0150 [")  # (-0.02 - 0.01) / 2, not (-0.08 - 0.08) / 2 against the FP4 forward
     assert cells[5].startswith("+0.0550 [")  # the weights against BF16: (0.05 + 0.06) / 2
     assert not [line for line in lines if line.startswith("| old - ")]
+
+
+def test_a_late_switch_served_in_fp4_is_compared_with_its_fp4_baseline_as_run():
+    """A late switch's receipt also scores its weights through the FP4 forward it left: against
+    NVIDIA's recipe as run (an FP4 forward too), paired by seed; a switched run without that
+    score (an older receipt) is left out, and arms that never switched get no such row."""
+    late = [receipt_dict(f"late-seed{s}", "nvfp4", s, final, served_fp4=fp4)
+            for s, final, fp4 in ((0, 3.00, 3.05), (1, 3.11, 3.20))]
+    old = receipt_dict("late-seed2", "nvfp4", 2, 3.0)  # switched, before the FP4-forward score existed
+    for r in (*late, old):
+        r["recipe"].update(bf16_after=0.8, bf16_scope="forward")
+    runs = runs_by_arm([receipt("bf16-seed0", "bf16", 0, 2.95), receipt("bf16-seed1", "bf16", 1, 3.05),
+                        receipt("bf16-seed2", "bf16", 2, 3.0),
+                        *(receipt(f"nvfp4-seed{s}", "nvfp4", s, loss, served=loss - 0.06)
+                          for s, loss in ((0, 3.08), (1, 3.19), (2, 3.1))),
+                        *(receipt(f"fos-seed{s}", "nvfp4", s, 3.1) for s in (0, 1)),
+                        *map(Receipt.from_dict, (*late, old))])
+    assert [served_fp4(r) for r in runs["late"].values()] == [3.05, 3.20, None]
+    assert served_fp4(runs["nvfp4"][0]) == 3.08  # its last forward was FP4: its own final loss
+    lines = served_lines(runs, {"nvfp4": "bf16", "late": "nvfp4", "fos": "nvfp4"})
+    (row,) = [line for line in lines if line.startswith("| late - nvfp4 |") and line.count("|") == 6]  # FP4 table
+    cells = row.split(" | ")
+    assert cells[1] == "2" and cells[3].startswith("-0.0100 [")  # (-0.03 + 0.01) / 2: seed 2 has no score
+    assert not [line for line in lines if line.startswith("| fos - ") and line.count("|") == 6]
 
 
 def test_an_fp4_baseline_without_its_bf16_evaluation_gets_no_split():
