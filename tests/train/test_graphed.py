@@ -102,3 +102,19 @@ def test_deterministic_gpu_runs_repeat_bit_for_bit_graphed_or_not(token_file, tm
     graphed = train(_config(token_file, tmp_path / "c", cuda_graph=True, **big))
     assert again.train_curve == first.train_curve and again.final.val_loss == first.final.val_loss
     assert graphed.train_curve == first.train_curve and graphed.final.val_loss == first.final.val_loss
+
+
+@cuda
+def test_a_stopped_deterministic_gpu_run_resumes_to_the_same_bits_graphed_or_not(token_file, tmp_path):
+    """On a GPU a stopped run continues exactly once deterministic=true: stopped at step 3 and
+    resumed (eager, and graphed: a new capture after the resume), every loss and evaluation equals
+    the run done in one go."""
+    from fp4lab.train.loop import train
+    big = dict(steps=6, batch_size=32, seq_len=256, eval_every=3, deterministic=True)
+    whole = train(_config(token_file, tmp_path / "whole", **big))
+    for name, settings in (("eager", {}), ("graphed", {"cuda_graph": True})):
+        first = train(_config(token_file, tmp_path / name, stop_at=3, **big, **settings))
+        assert first.status == "stopped"
+        rest = train(_config(token_file, tmp_path / name, **big, **settings), resume=True)
+        assert rest.train_curve == whole.train_curve and rest.evals == whole.evals, name
+        assert rest.final.fp4_forward_val_loss == whole.final.fp4_forward_val_loss is not None, name
