@@ -34,6 +34,22 @@ def graph_ms(fn, rep: int = 100) -> float:
     return float(do_bench_cudagraph(fn, rep=rep, return_mode="median"))
 
 
+def captured_ms(fn, warmup: int = 3) -> float:
+    """Median milliseconds of fn() captured once in a CUDA graph and replayed, where fn runs
+    autograd (forward and backward): warmed up on a side stream first, as capture with autograd
+    requires. The wall time a captured training step pays for this work."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return bench_ms(graph.replay)
+
+
 def kernel_ms(fn, reps: int = 10, warmup: int = 3) -> float:
     """Milliseconds of GPU kernel time per fn() call: the sum of the durations of every kernel it
     launches (torch.profiler), averaged over ``reps`` calls. Device cost without launch gaps, for
