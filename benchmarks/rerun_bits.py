@@ -14,14 +14,20 @@ Writes benchmarks/results/rerun_bits.json.
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import environment, save
-from fp4lab.train.data import write_bin
-from fp4lab.train.loop import TrainConfig, train
+# cuBLAS reads its workspace setting once per process: fixed for every run here, so what still
+# varies between default reruns is the kernels torch picks (the deterministic setting's part)
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import environment, save  # noqa: E402
+from fp4lab.train.data import write_bin  # noqa: E402
+from fp4lab.train.loop import TrainConfig, train  # noqa: E402
 
 WAYS = {  # name -> settings on top of the shared config
     "default": {}, "default again": {},

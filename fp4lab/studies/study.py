@@ -89,7 +89,8 @@ class Scale:
     """On a CUDA device, replay each run's steps from a CUDA graph where the run allows it
     (train.run.graph_refusal: dense, no weight dither): the same steps at about twice a small
     model's tokens/s. Not part of a run's identity, so graphed and eager runs pair and skip alike;
-    ``--set cuda_graph=false`` keeps every run eager."""
+    ``--set cuda_graph=false`` keeps every run eager, ``--set cuda_graph=true`` graphs the runs
+    that allow it at any scale."""
 
     def config(self, size: str) -> dict:
         if size not in SIZES:
@@ -202,8 +203,10 @@ def arm_configs(study: Study, scale: Scale, out: Path, *, seeds: tuple[int, ...]
         if key not in {f.name for f in dataclasses.fields(TrainConfig)}:
             raise ValueError(f"unknown training setting {key!r}; TrainConfig has: "
                              + ", ".join(sorted(f.name for f in dataclasses.fields(TrainConfig))))
+    changes = dict(changes)
+    asked = changes.pop("cuda_graph", None)  # True or the scale's default: only where a run allows it
+    graph = asked if asked is not None else scale.graph and torch.cuda.is_available()
     base = {**scale.config(study.size), **study.train, **changes}
-    graph = scale.graph and "cuda_graph" not in changes and torch.cuda.is_available()
     configs = []
     for seed in seeds or scale.seeds:
         for arm in study.arms:
@@ -362,8 +365,9 @@ def load_study(study: Study, out: Path) -> dict[str, dict[int, Receipt]]:
     found = {}
     for arm in study.arms:
         runs = sorted(Path(out).glob(f"{arm.name}-seed*/receipt.json"))
-        if runs:
-            found.update(runs_by_arm(load_receipts(runs)))
+        finished = [r for r in load_receipts(runs) if r.status != "stopped"]  # a stopped run is no result yet
+        if finished:
+            found.update(runs_by_arm(finished))
     for arm in study.arms:  # a folder named after an arm must hold that arm's recipe
         for receipt in found.get(arm.name, {}).values():
             ran = (receipt.config["recipe"],

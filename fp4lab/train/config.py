@@ -97,11 +97,13 @@ class TrainConfig:
     eager, so the bits are the eager run's. One CUDA process, grad_accum 1, a dense model, no
     weight dither; captured again after a late switch to BF16."""
     deterministic: bool = False
-    """Same bits on every rerun of a GPU run (torch.use_deterministic_algorithms, cuBLAS's fixed
-    workspaces; restored when the run ends). By default the two runs of one config on a GPU part
-    within a few steps: the attention backward PyTorch picks on an H100 (cuDNN's) accumulates in
-    an order that varies at large batches. Slower; the math is the same, so not part of a run's
-    identity. CPU runs are deterministic either way."""
+    """Same bits on every rerun of a GPU run: torch.use_deterministic_algorithms for the run
+    (restored when it ends) and cuBLAS's fixed workspaces (CUBLAS_WORKSPACE_CONFIG, set for the
+    process if unset; cuBLAS reads it once, so it holds where the process ran no GEMM before, as
+    in `fp4lab train` and the study runner's processes). By default two runs of one config on a
+    GPU part within a few steps: the attention backward PyTorch picks on an H100 (cuDNN's)
+    accumulates in an order that varies at large batches. Slower; the math is the same, so not
+    part of a run's identity. CPU runs are deterministic either way."""
     progress: bool = True
     stiction_every: int = 0
     """Every N steps, measure the fraction of FP4 weight codes each optimizer step flips

@@ -114,13 +114,14 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False) ->
     Rank 0 holds the run directory's lock (lock.RunLock) throughout: a second writer is refused.
     A folder that already holds a run is never replaced silently (``_claim_folder``)."""
     lock = RunLock(cfg.out).acquire() if int(os.environ.get("RANK", "0")) == 0 else None
-    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    threads = torch.get_num_threads()
+    deterministic = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     try:
         if lock is not None:
             _claim_folder(Path(cfg.out), resume=resume, overwrite=overwrite)
         if not torch.cuda.is_available():
             torch.set_num_threads(cfg.threads or os.cpu_count() or 1)
-        if cfg.deterministic:  # before the first cuBLAS call makes its handle and workspace
+        if cfg.deterministic:  # cuBLAS reads the variable once: it holds where no GEMM ran before in the process
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True)
         run = setup(cfg)
@@ -136,7 +137,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False) ->
             receipt.save(run.out / "receipt.json")
     finally:
         torch.set_num_threads(threads)
-        torch.use_deterministic_algorithms(deterministic)
+        torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
         if lock is not None:
             lock.release()
     if state.status == "diverged" and run.rank == 0:

@@ -276,12 +276,18 @@ def gap_table(receipts: list[Receipt], baselines: dict[str, str | None] | None =
                 gap = final_loss(r) - final_loss(ref)
                 pct = 100 * gap / final_loss(ref)
                 note = f"{gap:+.4f} vs {ref.name}"
-            if ref is not None and r.tokens_per_s and ref.tokens_per_s:
-                speed = r.tokens_per_s / ref.tokens_per_s
+            if ref is not None and r.tokens_per_s and ref.tokens_per_s and _graphed(r) == _graphed(ref):
+                speed = r.tokens_per_s / ref.tokens_per_s  # a graphed run beside an eager one: no ratio
+        rate = _fmt(r.tokens_per_s, ',.0f') + (" (graphed)" if _graphed(r) and r.tokens_per_s else "")
         lines.append(f"| {r.name} | {r.recipe['name']} | {r.seed} | {_fmt(final, '.4f')} | "
-                     f"{_fmt(best, '.4f')} | {note} | {_fmt(pct, '+.2f')} | {_fmt(r.tokens_per_s, ',.0f')} | "
+                     f"{_fmt(best, '.4f')} | {note} | {_fmt(pct, '+.2f')} | {rate} | "
                      f"{_fmt(speed, '.2f')} | {r.status} |")
     return "\n".join(lines)
+
+
+def _graphed(receipt: Receipt) -> bool:
+    """Whether the run replayed its steps from a CUDA graph (its tokens/s are not an eager run's)."""
+    return bool(receipt.config.get("cuda_graph"))
 
 
 def gap_curve(arm: dict[int, Receipt], base: dict[int, Receipt]) -> list[tuple[int, Interval]]:

@@ -68,6 +68,11 @@ def test_a_finished_run_is_kept_and_a_changed_one_refused_unless_replaced(tmp_pa
     stray["config"].update(steps=5, cuda_graph=True, compile=True, deterministic=True)
     (tmp_path / "bf16-seed9" / "receipt.json").write_text(json.dumps(stray))
     assert 9 in load_study(study, tmp_path)["bf16"]
+    # one stopped part-way (stop_at) is no result yet: left out, not read as diverged
+    stray.update(status="stopped")
+    stray["config"].update(stop_at=3)
+    (tmp_path / "bf16-seed9" / "receipt.json").write_text(json.dumps(stray))
+    assert 9 not in load_study(study, tmp_path)["bf16"] and 0 in load_study(study, tmp_path)["bf16"]
 
 
 def test_seeds_vary_init_data_and_rounding_together(tmp_path):
@@ -92,6 +97,10 @@ def test_gpu_scales_graph_the_runs_a_graph_can_replay(tmp_path, monkeypatch):
     assert all(c.cuda_graph for c in arm_configs(STUDIES["gap-closers"], SCALES["gpu-small"], tmp_path))
     assert not any(c.cuda_graph for c in arm_configs(STUDIES["gap-closers"], SCALES["gpu-stable"], tmp_path,
                                                      cuda_graph=False))
+    asked = {c.out.split("/")[-1]: c.cuda_graph for c in arm_configs(STUDIES["stiction"], SCALES["smoke"], tmp_path,
+                                                                      seeds=(0,), cuda_graph=True)}
+    assert asked == stiction  # asked for at any scale: still only where a graph can replay the run
+    assert not any(c.cuda_graph for c in arm_configs(STUDIES["gains"], SCALES["smoke"], tmp_path, cuda_graph=True))
     assert not any(c.cuda_graph for c in arm_configs(STUDIES["fidelity"], SCALES["smoke"], tmp_path))
     graphed = arm_configs(STUDIES["fidelity"], SCALES["gpu-stable"], tmp_path)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

@@ -277,6 +277,12 @@ def test_deterministic_runs_give_the_default_bits_on_a_cpu_and_the_setting_does_
                         deterministic=True))
     assert strict.train_curve == plain.train_curve and strict.final.val_loss == plain.final.val_loss
     assert strict.config["deterministic"] is True and not torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)  # a caller's own setting comes back as it was
+    try:
+        train(_cfg(token_file, tmp_path / "again", model=model, steps=1, eval_every=1, deterministic=True))
+        assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
+    finally:
+        torch.use_deterministic_algorithms(False)
 
 
 def test_a_run_folder_is_never_replaced_silently(token_file, tmp_path, capsys):

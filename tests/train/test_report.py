@@ -25,6 +25,15 @@ def test_each_seed_is_compared_with_its_own_baseline_seed():
     assert "vs" not in row["bf16-seed1"].split(" | ")[5]  # the baseline has no gap to itself
     iv = paired_gap(runs_by_arm(runs)["nvfp4"], runs_by_arm(runs)["bf16"])
     assert iv.seeds == (0, 1) and iv.mean == pytest.approx(0.025)
+    assert row["nvfp4-seed0"].split(" | ")[8] == "1.00"  # tokens/s against its baseline's (both 100)
+
+
+def test_a_graphed_run_beside_an_eager_baseline_gets_no_speed_ratio():
+    graphed = receipt_dict("nvfp4-seed0", "nvfp4", 0, 3.02)
+    graphed["config"]["cuda_graph"], graphed["tokens_per_s"] = True, 250.0
+    table = gap_table([receipt("bf16-seed0", "bf16", 0, 3.00), Receipt.from_dict(graphed)])
+    cells = table.splitlines()[-1].split(" | ")
+    assert cells[7:9] == ["250 (graphed)", "-"]  # not 2.50: the graph's speed-up is not the recipe's
 
 
 def test_a_diverged_seed_is_left_out_of_the_pairs_and_said():
