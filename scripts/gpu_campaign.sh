@@ -16,7 +16,8 @@
 #                           $JOBS, else 6); finished runs are skipped, stopped ones resume from their
 #                           checkpoint, and runs that ran out of memory beside others are retried with
 #                           fewer at once; $SETS (space-separated KEY=VALUE) adds --set values that do not
-#                           change a run's identity, e.g. SETS=cuda_graph=true (2x a d6 run's tokens/s).
+#                           change a run's identity, e.g. SETS=deterministic=true, or SETS=cuda_graph=false
+#                           (the GPU scales graph every dense run that allows it: 2x a d6 run's tokens/s).
 #                           Output: runs/gpu/NAME at gpu-medium, NAME-X at gpu-X (e.g.
 #                           fidelity-stable), as results/ names them, so a scale never overwrites another's
 #   parallel:RECIPES:MODES  d6 at gpu-medium's settings, seed 0, under torchrun on every visible GPU, one
