@@ -293,7 +293,7 @@ def gemms_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     fprop = calls[0].recipe.fprop
     # ---- fprop: y = x @ W^T, contraction over K
     w_fprop = None
-    if fprop.quantized or fprop.rotated:
+    if fprop.emulated:
         # every expert's weights at once where all have rows (the weight as it is: a dithered one is refused)
         w_fprop = grouped and _fprop_weights_at_once(weight, live_calls)
         w_fprop = w_fprop or [calls[g].operand(w, 1, "fprop", "b") for g, w in zip(live, w_src)]
@@ -337,7 +337,7 @@ def gemms_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, size
     dx = dw = None
     # ---- dgrad: dx = dy @ W, contraction over N
     if need_dx:
-        if dgrad.quantized or dgrad.rotated:
+        if dgrad.emulated:
             k = weight.shape[2]
             if isinstance(w_values, GroupedValues):  # every expert's tiles, transposed in one copy
                 w_ops = w_values.transposed(k)
@@ -353,7 +353,7 @@ def gemms_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, size
         else:
             dx = torch.cat([dyg.mm(weight[g]) for g, dyg in zip(live, dys)]) if live else torch.zeros_like(x)
     # ---- wgrad: dW = dy^T @ x, contraction over the group's tokens
-    if need_dw and offs is not None and not (wgrad.quantized or wgrad.rotated):
+    if need_dw and offs is not None and not wgrad.emulated:
         # one launch for every expert, its contraction split at the groups' row offsets
         dw = torch._grouped_mm(dy.contiguous().t(), x.contiguous(), offs=offs)
         for g, rows in enumerate(sizes):
@@ -370,7 +370,7 @@ def gemms_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, size
     elif need_dw:
         dw = torch.zeros_like(weight) if grouped else None
         for g, dyg, xg in zip(live, dys, xs):
-            if wgrad.quantized or wgrad.rotated:
+            if wgrad.emulated:
                 dy_m, x_m = _pad_rows(dyg), _pad_rows(xg)
                 dw_g = run_gemm(calls[g].operand(dy_m, 0, "wgrad", "a"), 0, calls[g].operand(x_m, 0, "wgrad", "b"),
                                 0, dy.dtype)

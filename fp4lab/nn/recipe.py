@@ -130,6 +130,11 @@ class GemmSpec:
     def rotated(self) -> bool:
         return self.hadamard is not HadamardMode.NONE
 
+    @property
+    def emulated(self) -> bool:
+        """Whether this GEMM runs other than in plain BF16: an FP4 operand or a rotation."""
+        return self.quantized or self.rotated
+
 
 BF16_GEMM = GemmSpec()
 
@@ -202,7 +207,7 @@ class Recipe:
 
     @property
     def quantized(self) -> bool:
-        return any(getattr(self, g).quantized or getattr(self, g).rotated for g in GEMMS)
+        return any(getattr(self, g).emulated for g in GEMMS)
 
     def bf16_blocks(self, n_blocks: int) -> tuple[int, int]:
         """(first, last): how many of a model's ``n_blocks`` transformer blocks keep BF16

@@ -347,19 +347,21 @@ def _evaluate(run: Run, *, full: bool, bf16_forward: bool = False, fp4_forward: 
     return float(total[0] / total[1]) if total[1] else float("nan")
 
 
+def _fp4_forward_at(run: Run, progress: float) -> bool:
+    """Whether the model's forward runs any FP4 GEMM under the recipe in force at ``progress``."""
+    return run.recipe.at_progress(progress).fprop.emulated and bool(coverage(run.model)["linears"]["fp4"])
+
+
 def _serves_fp4(run: Run) -> bool:
     """Whether the trained model's forward runs any FP4 GEMM: the recipe in force at the last
     step's progress, which the final evaluation runs with (a ``bf16_after`` of 1.0 never switches)."""
-    final = run.recipe.at_progress(run.context.progress)
-    return bool(coverage(run.model)["linears"]["fp4"]) and (final.fprop.quantized or final.fprop.rotated)
+    return _fp4_forward_at(run, run.context.progress)
 
 
 def _switched_from_fp4(run: Run) -> bool:
     """Whether the run trained with an FP4 forward and switched it to BF16 late (``bf16_after``),
     so that its final evaluation runs a BF16 forward."""
-    first = run.recipe.at_progress(0.0)
-    return (bool(coverage(run.model)["linears"]["fp4"]) and (first.fprop.quantized or first.fprop.rotated)
-            and not _serves_fp4(run))
+    return _fp4_forward_at(run, 0.0) and not _serves_fp4(run)
 
 
 def _evaluate_if_due(run: Run, state: RunState, metrics) -> None:

@@ -17,7 +17,8 @@ into its forward's and its weights' shares, where receipts hold a BF16-forward e
 against an FP4 baseline compared with both served in BF16) are shared with the study reports.
 
 Public: ``load_receipts``, ``arm_name``, ``runs_by_arm``, ``final_loss``, ``paired_gap``,
-``baseline_arm``, ``gap_table``, ``arm_table``, ``served_lines``, ``served_bf16``, ``served_fp4``, ``plots``, ``report``.
+``baseline_arm``, ``gap_table``, ``arm_table``, ``served_lines``, ``served_bf16``, ``served_fp4``,
+``plots``, ``report``.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from __future__ import annotations
 import math
 import re
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 
 from ..nn.recipe import Recipe
@@ -138,7 +140,18 @@ def _ends_with_fp4_forward(receipt: Receipt) -> bool:
     step's progress, (steps - 1) / steps, which is the one the loop evaluates with."""
     steps = receipt.final.steps
     final = Recipe.from_dict(receipt.recipe).at_progress((steps - 1) / steps if steps else 0.0)
-    return final.fprop.quantized or final.fprop.rotated
+    return final.fprop.emulated
+
+
+def _served(receipt: Receipt, evaluated: float | None, *, fp4: bool) -> float | None:
+    """The final weights' loss through one forward: ``evaluated`` (the receipt's extra evaluation
+    with it), else the final loss where the run's last forward was that one anyway; None for a
+    run that did not finish or has neither."""
+    if receipt.status != "ok":
+        return None
+    if evaluated is not None:
+        return evaluated
+    return final_loss(receipt) if _ends_with_fp4_forward(receipt) == fp4 else None
 
 
 def served_bf16(receipt: Receipt) -> float | None:
@@ -146,17 +159,15 @@ def served_bf16(receipt: Receipt) -> float | None:
     evaluation, or its final loss where its last steps ran no FP4 forward anyway (BF16, a late
     switch of the forward); None for a run that did not finish, or an FP4-forward run whose
     receipt has no such evaluation."""
-    if receipt.status != "ok":
-        return None
-    if receipt.final.bf16_forward_val_loss is not None:
-        return receipt.final.bf16_forward_val_loss
-    return None if _ends_with_fp4_forward(receipt) else final_loss(receipt)
+    return _served(receipt, receipt.final.bf16_forward_val_loss, fp4=False)
 
 
-def _served_or_nan(receipt: Receipt) -> float:
-    """served_bf16 as paired_gap's value: NaN (left out of the pairs) where there is none."""
-    value = served_bf16(receipt)
-    return math.nan if value is None else value
+def _nan_for_none(served: Callable[[Receipt], float | None]) -> Callable[[Receipt], float]:
+    """A served_* score as paired_gap's value: NaN (left out of the pairs) where there is none."""
+    def value(receipt: Receipt) -> float:
+        score = served(receipt)
+        return math.nan if score is None else score
+    return value
 
 
 def _same_forward_lines(runs: Runs, baselines: dict[str, str | None], arms: list[str]) -> list[str]:
@@ -166,10 +177,10 @@ def _same_forward_lines(runs: Runs, baselines: dict[str, str | None], arms: list
     plain = baseline_arm(runs)
     rows = []
     for arm in arms:
-        gap = paired_gap(runs[arm], runs[baselines[arm]], value=_served_or_nan)
+        gap = paired_gap(runs[arm], runs[baselines[arm]], value=_nan_for_none(served_bf16))
         if gap is None:
             continue
-        to_plain = paired_gap(runs[arm], runs[plain], value=_served_or_nan) if plain is not None else None
+        to_plain = paired_gap(runs[arm], runs[plain], value=_nan_for_none(served_bf16)) if plain is not None else None
         rows.append(f"| {arm} - {baselines[arm]} | {gap.n} | "
                     f"{_mean_sd([served_bf16(runs[arm][s]) for s in gap.seeds])} | {gap.text()} | {separation(gap)} | "
                     f"{to_plain.text() if to_plain is not None else '-'} |")
@@ -187,11 +198,7 @@ def served_fp4(receipt: Receipt) -> float | None:
     """The final validation loss of the run's weights served with its FP4 forward: the FP4-forward
     evaluation of a late switch to BF16, or the final loss of a run whose last steps ran FP4
     anyway; None for a run that did not finish, or a switched run whose receipt has none."""
-    if receipt.status != "ok":
-        return None
-    if receipt.final.fp4_forward_val_loss is not None:
-        return receipt.final.fp4_forward_val_loss
-    return final_loss(receipt) if _ends_with_fp4_forward(receipt) else None
+    return _served(receipt, receipt.final.fp4_forward_val_loss, fp4=True)
 
 
 def _fp4_forward_lines(runs: Runs, baselines: dict[str, str | None], arms: list[str]) -> list[str]:
@@ -201,7 +208,7 @@ def _fp4_forward_lines(runs: Runs, baselines: dict[str, str | None], arms: list[
     for arm in arms:
         if not any(r.final.fp4_forward_val_loss is not None for r in runs[arm].values()):
             continue
-        gap = paired_gap(runs[arm], runs[baselines[arm]], value=_fp4_or_nan)
+        gap = paired_gap(runs[arm], runs[baselines[arm]], value=_nan_for_none(served_fp4))
         if gap is None:
             continue
         served = _mean_sd([served_fp4(runs[arm][s]) for s in gap.seeds])
@@ -213,11 +220,6 @@ def _fp4_forward_lines(runs: Runs, baselines: dict[str, str | None], arms: list[
             "switch leaves a better FP4 model.", "",
             "| comparison | seeds | arm's final val, FP4 forward | paired, both FP4 forward, nats [95% CI] (%) | "
             "separated? |", "|---|---|---|---|---|", *rows]
-
-
-def _fp4_or_nan(receipt: Receipt) -> float:
-    value = served_fp4(receipt)
-    return math.nan if value is None else value
 
 
 def separation(iv: Interval | None) -> str:
