@@ -10,7 +10,8 @@
 #   receipts                copy every committed results/<study>/<run>/receipt.json to runs/gpu/<study>/<run>/,
 #                           so the runner skips what is finished
 #   reuse:FROM:TO:ARM,ARM   the same from study FROM's committed runs into study TO (same settings:
-#                           e.g. fidelity's bf16 and nvfp4 for gap-closers)
+#                           e.g. fidelity's bf16 and nvfp4 for gap-closers); OLD=NEW serves FROM's arm OLD
+#                           as TO's arm NEW (e.g. nvfp4=full: the runner keeps it only if it trained NEW's arithmetic)
 #   study:NAME[:ARM,ARM][@N]
 #                           fp4lab study NAME at $SCALE (default gpu-medium), N runs at once (default
 #                           $JOBS, else 6); finished runs are skipped, stopped ones resume from their
@@ -70,14 +71,20 @@ parallel() {  # RECIPES MODES
   wait
 }
 
-copy_receipts() {  # FROM TO [ARMS]
-  local from=$1 to=$2 arms=${3:-} f run
+copy_receipts() {  # FROM TO [ARMS]: ARM or OLD=NEW (the run serves as arm NEW: the runner checks it
+  local from=$1 to=$2 arms=${3:-} f run arm new dest   # trained NEW's arithmetic)
   for f in results/"$from"/*/receipt.json; do
     [ -f "$f" ] || continue
-    run=$(basename "$(dirname "$f")")
-    if [ -n "$arms" ] && ! [[ ",$arms," == *",${run%-seed*},"* ]]; then continue; fi
-    mkdir -p "$ROOT/$to/$run"
-    [ -e "$ROOT/$to/$run/receipt.json" ] || cp "$f" "$ROOT/$to/$run/"  # never over a run already there
+    run=$(basename "$(dirname "$f")"); arm=${run%-seed*}; new=$arm
+    if [ -n "$arms" ]; then
+      new=$(tr , '\n' <<< "$arms" | awk -F= -v a="$arm" '$1 == a { print ($2 == "" ? $1 : $2); exit }')
+      [ -n "$new" ] || continue
+    fi
+    dest=$ROOT/$to/$new-seed${run##*-seed}
+    [ -e "$dest/receipt.json" ] && continue  # never over a run already there
+    mkdir -p "$dest"
+    python3 -c 'import json, sys; r = json.load(open(sys.argv[1])); r["name"] = sys.argv[2]
+json.dump(r, open(sys.argv[3], "w"), indent=1)' "$f" "$(basename "$dest")" "$dest/receipt.json"
   done
   echo "$from -> $to: $(ls "$ROOT/$to"/*/receipt.json 2>/dev/null | wc -l) receipts"
 }

@@ -40,6 +40,7 @@ import torch
 from tqdm import tqdm
 
 from ..nn import model_config
+from ..nn.recipe import Recipe
 from ..train.checkpoint import CheckpointError
 from ..train.corpus import CORPORA, default_dataset
 from ..train.config import config_identity
@@ -233,8 +234,25 @@ def _identities(receipt: Receipt, cfg: TrainConfig) -> tuple[dict, dict]:
 
 
 def _same_config(receipt: Receipt, cfg: TrainConfig) -> bool:
+    """Made with cfg's settings: the same recipe name and overrides, or another arm's run of the
+    same arithmetic (fidelity's nvfp4 serves as nvidia-ablation's full, mxfp4 as gemm-progression's
+    fprop_dgrad_wgrad), the other settings equal."""
     ran, wanted = _identities(receipt, cfg)
-    return ran == wanted
+    if ran == wanted:
+        return True
+    named = ("recipe", "recipe_overrides")
+    rest = [{k: v for k, v in d.items() if k not in named} for d in (ran, wanted)]
+    return rest[0] == rest[1] and _trains_as(receipt, recipe_of(cfg))
+
+
+def _trains_as(receipt: Receipt, recipe: Recipe) -> bool:
+    """The receipt's run trained with this recipe's arithmetic, whatever either is named (the receipt
+    stores the recipe it resolved; fields added since read as their defaults)."""
+    try:
+        ran = Recipe.from_dict(receipt.recipe).to_dict()
+    except (TypeError, ValueError):  # a recipe of fields since renamed: not provably the same
+        return False
+    return {**ran, "name": None} == {**recipe.to_dict(), "name": None}
 
 
 def _finished(cfg: TrainConfig) -> Receipt | None:
@@ -368,11 +386,13 @@ def load_study(study: Study, out: Path) -> dict[str, dict[int, Receipt]]:
         finished = [r for r in load_receipts(runs) if r.status != "stopped"]  # a stopped run is no result yet
         if finished:
             found.update(runs_by_arm(finished))
-    for arm in study.arms:  # a folder named after an arm must hold that arm's recipe
+    for arm in study.arms:  # a folder named after an arm must hold that arm's recipe (or its arithmetic)
         for receipt in found.get(arm.name, {}).values():
             ran = (receipt.config["recipe"],
                    {k: v for k, v in receipt.config["recipe_overrides"].items() if k != "seed"})
-            if ran != (arm.recipe, arm.recipe_overrides):
+            arithmetic = recipe_of(TrainConfig(recipe=arm.recipe,
+                                               recipe_overrides={**arm.recipe_overrides, "seed": receipt.seed}))
+            if ran != (arm.recipe, arm.recipe_overrides) and not _trains_as(receipt, arithmetic):
                 raise ValueError(f"{out}: {receipt.name} ran recipe {ran[0]} with {ran[1]}, but arm {arm.name} "
                                  f"is {arm.recipe} with {arm.recipe_overrides} (a run of an older definition?)")
     shared = {}
