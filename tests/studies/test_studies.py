@@ -75,6 +75,38 @@ def test_a_finished_run_is_kept_and_a_changed_one_refused_unless_replaced(tmp_pa
     assert 9 not in load_study(study, tmp_path)["bf16"] and 0 in load_study(study, tmp_path)["bf16"]
 
 
+def test_a_run_serves_another_arm_only_with_the_same_arithmetic(tmp_path):
+    """A study reuses another study's run when the recipe it trained resolves to the arm's (the
+    fidelity study's mxfp4_hadamard is wgrad-interventions' det_hadamard, under another preset's
+    name and overrides); a run of other
+    arithmetic under an arm's name (mxfp4 where gemm-progression wants its own all-MXFP4 preset,
+    which differs) is refused, by the runner and by the report, nothing overwritten."""
+    run_study(STUDIES["fidelity"], SCALES["smoke"], tmp_path / "fidelity", arms=("mxfp4_hadamard", "mxfp4"))
+
+    def serve(run: str, study: str, arm: str) -> Path:
+        receipt = json.loads((tmp_path / "fidelity" / f"{run}-seed0" / "receipt.json").read_text())
+        receipt["name"] = f"{arm}-seed0"
+        (tmp_path / study / f"{arm}-seed0").mkdir(parents=True)
+        path = tmp_path / study / f"{arm}-seed0" / "receipt.json"
+        path.write_text(json.dumps(receipt))
+        return path
+
+    served = serve("mxfp4_hadamard", "wgrad", "det_hadamard")
+    stamp = served.stat().st_mtime_ns
+    run_study(STUDIES["wgrad-interventions"], SCALES["smoke"], tmp_path / "wgrad", arms=("det_hadamard",))
+    assert served.stat().st_mtime_ns == stamp  # kept, not retrained
+    kept = load_study(STUDIES["wgrad-interventions"], tmp_path / "wgrad")["det_hadamard"][0]
+    assert kept.config["recipe"] == "mxfp4_hadamard" and kept.config["recipe_overrides"] == {"seed": 0}
+
+    wrong = serve("mxfp4", "progression", "fprop_dgrad_wgrad")
+    stamp = wrong.stat().st_mtime_ns
+    with pytest.raises(ValueError, match="fprop_dgrad_wgrad-seed0 holds a finished run of other settings"):
+        run_study(STUDIES["gemm-progression"], SCALES["smoke"], tmp_path / "progression", arms=("fprop_dgrad_wgrad",))
+    with pytest.raises(ValueError, match="ran recipe mxfp4 with {}, but arm fprop_dgrad_wgrad"):
+        load_study(STUDIES["gemm-progression"], tmp_path / "progression")
+    assert wrong.stat().st_mtime_ns == stamp
+
+
 def test_seeds_vary_init_data_and_rounding_together(tmp_path):
     configs = arm_configs(STUDIES["stiction"], SCALES["gpu-small"], tmp_path)
     assert sorted({c.seed for c in configs}) == [0, 1, 2]
