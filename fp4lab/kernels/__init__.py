@@ -10,8 +10,9 @@ Triton is imported here lazily, so this package imports on a machine without it.
 
 Operand forms (docs/design.md "Operand forms"): a GEMM operand is quantized to ``BlockValues``
 (exact bf16 code * block scale and the tensor scale: what BF16 tensor cores multiply), written by
-the quantize pass itself on Triton (``quantize_values``) or decoded from the reference's
-FP4Tensor (``to_values``); ``quantize_grouped_values`` quantizes every MoE expert's tensor in one
+the quantize pass itself on Triton (``quantize_values``; ``quantize_values_pair`` writes a
+linear's two copies of one tensor from one read) or decoded from the reference's FP4Tensor
+(``to_values``); ``quantize_grouped_values`` quantizes every MoE expert's tensor in one
 launch (``GroupedValues``); ``values_mm`` multiplies one pair, ``grouped_values_mm`` one pair per
 MoE expert in one launch, and ``contraction_grouped_values_mm`` one pair per expert whose
 contraction runs over the expert's own tokens (wgrad), also in one launch. Both backends compute the same function (formats.emulated_mm's): the
@@ -25,7 +26,8 @@ Speed: benchmarks/README.md; correctness: tests/kernels (bytes equal to fp4lab.f
 
 Public: ``Backend``, ``FAST_QUANTIZERS``, ``quantize_as``, ``quantize_nvfp4``, ``quantize_mxfp4``,
 ``dequantize``, ``fake_quantize``, ``fp4_mm``, ``uses_triton``, ``BlockValues``, ``quantize_values``,
-``to_values``, ``values_mm``, ``GroupedValues``, ``quantize_grouped_values``, ``quantize_grouped_columns``,
+``quantize_values_pair``, ``to_values``, ``values_mm``, ``GroupedValues``, ``quantize_grouped_values``,
+``quantize_grouped_columns``,
 ``grouped_values_mm``, ``contraction_grouped_values_mm``, ``grouped_fp4_mm``.
 """
 
@@ -139,6 +141,23 @@ def quantize_values(x: torch.Tensor, fmt: str | Format = Format.NVFP4, *, backen
     if uses_triton(x, backend):
         return _fast(spec.format, True)(x, **kwargs)
     return BlockValues.of(spec.quantize(x, **kwargs))
+
+
+def quantize_values_pair(x: torch.Tensor, fmt: str | Format, *, rows: dict, columns: dict, columns_len: int,
+                         backend: str | Backend | None = None) -> tuple[BlockValues, BlockValues]:
+    """The two copies a linear layer quantizes of one [M, K] tensor: (quantize_values(x, fmt,
+    axis=1, **rows), quantize_values of x zero-padded to ``columns_len`` rows along axis 0,
+    **columns): fprop's and wgrad's operands of an input, dgrad's and wgrad's of a gradient. On
+    Triton, where kernels.quantize.pair_refusal allows, each read of x serves both copies (one pass
+    for both tensor amaxes, one for both copies); else the two calls."""
+    spec = formats.spec_of(fmt)
+    if uses_triton(x, backend):
+        from .quantize import block_values_pair, pair_refusal
+        if pair_refusal(x, spec.format, rows, columns, columns_len) is None:
+            return block_values_pair(x, spec.format, rows=rows, columns=columns, columns_len=columns_len)
+    padded = torch.nn.functional.pad(x, (0, 0, 0, columns_len - x.shape[0])) if columns_len > x.shape[0] else x
+    return (quantize_values(x, spec.format, backend=backend, **{"pad": True, **rows, "axis": 1}),
+            quantize_values(padded, spec.format, backend=backend, **{"pad": True, **columns, "axis": 0}))
 
 
 def to_values(q: FP4Tensor, *, backend: str | Backend | None = None) -> BlockValues:

@@ -22,7 +22,8 @@ what quantizing it alone gives.
 
 Public: ``quantize_nvfp4``, ``quantize_mxfp4`` (same signatures as fp4lab.formats),
 ``nvfp4_block_values``, ``mxfp4_block_values`` (the same quantize written as exact bf16 block
-values), ``grouped_block_values`` and ``grouped_column_block_values`` (wgrad's operands: groups
+values), ``block_values_pair`` (a linear's two copies of one tensor from one read),
+``grouped_block_values`` and ``grouped_column_block_values`` (wgrad's operands: groups
 along the block axis, each a whole number of column tiles, so a program's group is one scalar).
 """
 
@@ -292,7 +293,7 @@ def _fp4_quantize_kernel(x_ptr, codes_ptr, scales_ptr, amax_ptr, s_dec_ptr, seed
         h_seed, lp_of = tl.load(h_seeds_ptr + group), tl.load(start_ptr + group + 1) - start
         col_base = (col0 - start) // 16
     else:
-        local, amax_at, seed_of, h_seed, lp_of = rows, amax_ptr, seed, hadamard_seed, LP
+        local, amax_at, seed_of, h_seed, lp_of, group = rows, amax_ptr, seed, hadamard_seed, LP, 0
         if SEED_IN_MEMORY:  # a device seed (seeds_ptr[0]): a captured graph reads each replay's own
             seed_of = tl.load(seeds_ptr)
         if H_SEED_IN_MEMORY:
@@ -313,6 +314,20 @@ def _fp4_quantize_kernel(x_ptr, codes_ptr, scales_ptr, amax_ptr, s_dec_ptr, seed
         tl.atomic_max(amax_at, tile_max)  # (never asked of row groups)
         return
 
+    _quantize_tile(x, rows, local, col_base, group, amax_at, seed_of, lp_of, codes_ptr, scales_ptr, s_dec_ptr,
+                   R, R_OUT, LP, tl.program_id(0), tl.program_id(1), SCALE_RULE, BLOCK, TILE_ROWS, STOCHASTIC,
+                   OUT_VALUES, GROUPED, BR, BC)
+
+
+@triton.jit
+def _quantize_tile(x, rows, local, col_base, group, amax_at, seed_of, lp_of, codes_ptr, scales_ptr, s_dec_ptr,
+                   R, R_OUT, LP, pid_r, pid_c, SCALE_RULE: tl.constexpr, BLOCK: tl.constexpr,
+                   TILE_ROWS: tl.constexpr, STOCHASTIC: tl.constexpr, OUT_VALUES: tl.constexpr,
+                   GROUPED: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+    """One tile, loaded (and rotated) as x [BR, NB, BLOCK] fp32, quantized and stored: program
+    (pid_r, pid_c) of a grid over the stored layout [R_OUT, LP]; ``rows`` its rows, ``local`` and
+    ``col_base`` where its Philox groups count from, ``group`` its group (grouped launches)."""
+    NB: tl.constexpr = BC // BLOCK
     # one integer reduction gives both the amax and the verdict: |x| bits order like |x|, and a
     # block whose largest bits are Inf/NaN's (>= 0x7F800000) is poisoned, its amax unused
     amax_bits = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2)  # [BR, NB]
@@ -326,15 +341,15 @@ def _fp4_quantize_kernel(x_ptr, codes_ptr, scales_ptr, amax_ptr, s_dec_ptr, seed
     if NVFP4:
         if GROUPED == ROW_GROUPS:  # [BR, 1]: each row's group's terms
             s_dec, mult = _tensor_terms(tl.load(amax_at).to(tl.float32, bitcast=True)[:, None], SCALE_RULE)
-            if tl.program_id(1) == 0:  # every row of a group writes the same S_dec
+            if pid_c == 0:  # every row of a group writes the same S_dec
                 tl.store(s_dec_ptr + group, tl.reshape(s_dec, (BR,)), mask=rows < R)
             s_dec_e = s_dec[:, :, None]  # against [BR, NB, BLOCK]
         else:
             s_dec, mult = _tensor_terms(tl.load(amax_at).to(tl.float32, bitcast=True), SCALE_RULE)
             if GROUPED == COL_GROUPS:
-                if tl.program_id(0) == 0:  # every program of a group writes the same S_dec
+                if pid_r == 0:  # every program of a group writes the same S_dec
                     tl.store(s_dec_ptr + group, s_dec)
-            elif (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+            elif (pid_r == 0) & (pid_c == 0):
                 tl.store(s_dec_ptr, s_dec)
             s_dec_e = s_dec
     if SCALE_RULE == NV_TE:  # NVFP4 te: s_b = e4m3(min(amax_b * (S_enc/6), 448)), e_b = 1/(s_b S_dec)
@@ -373,19 +388,60 @@ def _fp4_quantize_kernel(x_ptr, codes_ptr, scales_ptr, amax_ptr, s_dec_ptr, seed
     sbyte = tl.where(bad > 0, nan_byte, sbyte)
 
     keep = rows[:, None] < R_OUT
+    # no early return: a return inside a constexpr branch of a helper is not where the compiler stops
     if OUT_VALUES:  # code * block scale as bf16 bits (exact), the operand an emulated GEMM multiplies
         values = e2m1_value(code) * scale_value(sbyte, NVFP4)[:, :, None]
-        vcols = tl.program_id(1) * BC + tl.arange(0, BC)
+        vcols = pid_c * BC + tl.arange(0, BC)
         tl.store(codes_ptr + rows[:, None] * LP + vcols[None, :],
                  to_bf16_rtne(tl.reshape(values, (BR, BC))).to(tl.int16, bitcast=True),
                  mask=keep & (vcols[None, :] < LP))
-        return
-    packed = pack_nibble_pairs(tl.reshape(code, (BR, BC)), BR, BC)
-    pcols = tl.program_id(1) * (BC // 2) + tl.arange(0, BC // 2)
-    tl.store(codes_ptr + rows[:, None] * (LP // 2) + pcols[None, :], packed, mask=keep & (pcols[None, :] < LP // 2))
-    scols = tl.program_id(1) * NB + tl.arange(0, NB)
-    tl.store(scales_ptr + rows[:, None] * (LP // BLOCK) + scols[None, :], sbyte.to(tl.uint8),
-             mask=keep & (scols[None, :] < LP // BLOCK))
+    else:
+        packed = pack_nibble_pairs(tl.reshape(code, (BR, BC)), BR, BC)
+        pcols = pid_c * (BC // 2) + tl.arange(0, BC // 2)
+        tl.store(codes_ptr + rows[:, None] * (LP // 2) + pcols[None, :], packed,
+                 mask=keep & (pcols[None, :] < LP // 2))
+        scols = pid_c * NB + tl.arange(0, NB)
+        tl.store(scales_ptr + rows[:, None] * (LP // BLOCK) + scols[None, :], sbyte.to(tl.uint8),
+                 mask=keep & (scols[None, :] < LP // BLOCK))
+
+
+@triton.jit
+def _fp4_pair_kernel(x_ptr, rows_ptr, cols_ptr, amax_ptr, s_dec_ptr, seed_r, seed_c, h_seed_c, seed_r_ptr,
+                     seed_c_ptr, h_seed_c_ptr, M, K, MP, stride_m,
+                     RULE_R: tl.constexpr, RULE_C: tl.constexpr, BLOCK: tl.constexpr, STOCHASTIC_R: tl.constexpr,
+                     STOCHASTIC_C: tl.constexpr, HADAMARD_C: tl.constexpr, BF16_BITS: tl.constexpr,
+                     AMAX_ONLY: tl.constexpr, SEED_R_IN_MEMORY: tl.constexpr, SEED_C_IN_MEMORY: tl.constexpr,
+                     H_SEED_IN_MEMORY: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    """Both copies of x [M, K] (row-major) a linear layer quantizes, from one read of each tile:
+    the rows copy (blocks along K: [M, K] values, amax and S_dec slot 0) and the columns copy
+    (blocks along M, rotated when asked, M zero-padded to MP: [K, MP] values, slot 1). Each copy's
+    program is the single-copy kernel's for the same tile, so the bytes are the same."""
+    pid_m, pid_k = tl.program_id(0), tl.program_id(1)
+    rows = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
+    cols = (pid_k * BK + tl.arange(0, BK)).to(tl.int64)
+    inside = (rows[:, None] < M) & (cols[None, :] < K)
+    x = widen(tl.load(x_ptr + rows[:, None] * stride_m + cols[None, :], mask=inside, other=0.0), BF16_BITS)
+    if SEED_R_IN_MEMORY:  # device seeds: a captured graph reads each replay's own
+        seed_r = tl.load(seed_r_ptr)
+    if SEED_C_IN_MEMORY:
+        seed_c = tl.load(seed_c_ptr)
+    if H_SEED_IN_MEMORY:
+        h_seed_c = tl.load(h_seed_c_ptr)
+    xr = tl.reshape(x, (BM, BK // BLOCK, BLOCK))
+    xc = tl.reshape(tl.trans(x), (BK, BM // BLOCK, BLOCK))
+    if HADAMARD_C != NO_ROTATION:
+        xc = _hadamard(xc, h_seed_c, HADAMARD_C, BF16_BITS, BK, BM // BLOCK, BLOCK)
+    if AMAX_ONLY:  # both tensor amaxes (finite values only) in one read
+        bits_r = xr.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+        bits_c = xc.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+        tl.atomic_max(amax_ptr, tl.max(tl.max(tl.max(tl.where(bits_r < 0x7F800000, bits_r, 0), axis=2), axis=1), axis=0))
+        tl.atomic_max(amax_ptr + 1, tl.max(tl.max(tl.max(tl.where(bits_c < 0x7F800000, bits_c, 0), axis=2), axis=1),
+                                           axis=0))
+    else:
+        _quantize_tile(xr, rows, rows, pid_k * (BK // 16), 0, amax_ptr, seed_r, K, rows_ptr, rows_ptr, s_dec_ptr,
+                       M, M, K, pid_m, pid_k, RULE_R, BLOCK, 1, STOCHASTIC_R, True, NO_GROUPS, BM, BK)
+        _quantize_tile(xc, cols, cols, pid_m * (BM // 16), 0, amax_ptr + 1, seed_c, MP, cols_ptr, cols_ptr,
+                       s_dec_ptr + 1, K, K, MP, pid_k, pid_m, RULE_C, BLOCK, 1, STOCHASTIC_C, True, NO_GROUPS, BK, BM)
 
 
 def _strided_2d(x: torch.Tensor, axis: int) -> tuple[torch.Tensor, int, int, int, int]:
@@ -567,6 +623,79 @@ def _fused_rotation(x: torch.Tensor, axis: int, size: int, hadamard: str | Hadam
                    "is a multiple of the rotation size; this call runs the (slower) reference")
         return None
     return HADAMARD_RULES[signs], (_kernel_seed(hadamard_seed) if signs is HadamardSigns.RANDOM else 0)
+
+
+PAIR_TILE = (64, 64, 4)  # (BM, BK, warps) of block_values_pair; not yet swept on a GPU
+
+
+def pair_refusal(x: torch.Tensor, fmt: Format, rows: dict, columns: dict, columns_len: int) -> str | None:
+    """Why block_values_pair does not cover a call (the caller quantizes the copies one by one),
+    or None: a 2D bf16/fp32 matrix with no empty axis, K and the padded rows multiples of the
+    block, 1-row blocks, no rotation of the rows copy, TE's signs at 16 points only."""
+    size = 16 if fmt is Format.NVFP4 else MX_BLOCK
+    for kw in (rows, columns):
+        unknown = set(kw) - {"rounding", "seed", "profile", "mode", "block", "pad", "hadamard", "hadamard_seed"}
+        block = _nvfp4_block(kw.get("block", 16)) if fmt is Format.NVFP4 else (1, MX_BLOCK)
+        if unknown or block != (1, size) or (kw is rows and kw.get("hadamard") is not None):
+            return f"1-row blocks and no rotation of the rows copy, got {kw}"
+    signs = columns.get("hadamard")
+    if (x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float32) or 0 in x.shape or x.shape[1] % size
+            or columns_len < x.shape[0] or columns_len % size
+            or (signs is not None and HadamardSigns.parse(signs) is HadamardSigns.TE and size != 16)):
+        return (f"x {tuple(x.shape)} {x.dtype} with {columns_len} column-copy rows (bf16/fp32, no empty axis, K "
+                f"and the padded rows multiples of {size}, TE's signs at 16 points)")
+    return None
+
+
+def block_values_pair(x: torch.Tensor, fmt: Format, *, rows: dict, columns: dict, columns_len: int
+                      ) -> tuple[BlockValues, BlockValues]:
+    """The two copies a linear layer quantizes of one tensor (its input for fprop and wgrad, its
+    output gradient for dgrad and wgrad), each read of x serving both.
+
+    x: [M, K] bf16/fp32 row-major, K a multiple of the block -> (the rows copy: what
+    ``<fmt>_block_values(x, axis=1, **rows)`` gives, the columns copy: what
+    ``<fmt>_block_values(xp, axis=0, **columns)`` gives for x zero-padded to ``columns_len`` rows).
+    Keywords: rounding, seed, profile (NVFP4) or mode (MXFP4), block (1-row blocks only); the
+    columns copy also hadamard and hadamard_seed. Seeds may be device tensors. Two launches for
+    NVFP4 (one pass for both tensor amaxes, one for both copies), one for MXFP4."""
+    refusal = pair_refusal(x, fmt, rows, columns, columns_len)
+    if refusal:
+        raise ValueError(f"block_values_pair: {refusal}")
+    size = 16 if fmt is Format.NVFP4 else MX_BLOCK
+    rules, stochastic, seeds = [], [], []
+    for kw in (rows, columns):
+        rounding = Rounding.parse(kw.get("rounding", Rounding.RTNE))
+        rules.append(NV_RULES[NVFP4Profile.parse(kw.get("profile", NVFP4Profile.TE))] if fmt is Format.NVFP4
+                     else MX_RULES[MXScaleMode.parse(kw.get("mode", MXScaleMode.FLOOR))])
+        stochastic.append(rounding is Rounding.STOCHASTIC)
+        seeds.append(_seed(rounding, kw.get("seed")))
+    signs = columns.get("hadamard")
+    signs = None if signs is None else HadamardSigns.parse(signs)
+    h_seed = _kernel_seed(columns.get("hadamard_seed")) if signs is HadamardSigns.RANDOM else 0
+    rotation = NO_ROTATION.value if signs is None else HADAMARD_RULES[signs]
+    x = x.contiguous()
+    m, k = x.shape
+    rows_v = torch.empty(m, k, dtype=torch.int16, device=x.device)
+    cols_v = torch.empty(k, columns_len, dtype=torch.int16, device=x.device)
+    nvfp4 = fmt is Format.NVFP4
+    amax = torch.zeros(2, dtype=torch.int32, device=x.device) if nvfp4 else rows_v
+    s_dec = torch.empty(2, dtype=torch.float32, device=x.device) if nvfp4 else rows_v  # written by the kernel
+    bm, bk, warps = PAIR_TILE
+    in_memory = [isinstance(v, torch.Tensor) for v in (*seeds, h_seed)]
+    ints = [0 if mem else v for v, mem in zip((*seeds, h_seed), in_memory)]
+    ptrs = [v if mem else rows_v for v, mem in zip((*seeds, h_seed), in_memory)]
+    bf16 = x.dtype == torch.bfloat16
+    passes = (True, False) if nvfp4 else (False,)
+    for amax_only in passes:
+        _fp4_pair_kernel[(triton.cdiv(columns_len, bm), triton.cdiv(k, bk))](
+            x.view(torch.int16) if bf16 else x, rows_v, cols_v, amax, s_dec, *ints, *ptrs, m, k, columns_len, k,
+            RULE_R=rules[0], RULE_C=rules[1], BLOCK=size, STOCHASTIC_R=stochastic[0], STOCHASTIC_C=stochastic[1],
+            HADAMARD_C=rotation, BF16_BITS=bf16, AMAX_ONLY=amax_only, SEED_R_IN_MEMORY=in_memory[0],
+            SEED_C_IN_MEMORY=in_memory[1], H_SEED_IN_MEMORY=in_memory[2], BM=bm, BK=bk, num_warps=warps,
+            enable_fp_fusion=False)
+    scales = (s_dec[0], s_dec[1]) if nvfp4 else (None, None)
+    return (BlockValues(rows_v.view(torch.bfloat16), scales[0], m, fmt),
+            BlockValues(cols_v.view(torch.bfloat16), scales[1], k, fmt))
 
 
 def grouped_block_values(x: torch.Tensor, fmt: Format, sizes: list[int], seeds: list[int], *,

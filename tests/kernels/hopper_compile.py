@@ -83,6 +83,15 @@ def exercise() -> None:
     for fmt, knobs in ((Format.NVFP4, dict(hadamard="random", rounding="stochastic")), (Format.NVFP4, {}),
                        (Format.MXFP4, dict(hadamard="random"))):  # wgrad's operands, every expert at once
         _try(quantize.grouped_column_block_values, x, fmt, [32, 32], [1, 2], hadamard_seeds=[3, 4], **knobs)
+    nv = dict(block=(1, 16))
+    for fmt, rows, columns in (  # a linear's two copies of one tensor from one read (x, or dy)
+            (Format.NVFP4, nv, dict(hadamard="random", hadamard_seed=2, **nv)),
+            (Format.NVFP4, dict(rounding="stochastic", seed=1, **nv), dict(rounding="stochastic", seed=3, **nv)),
+            (Format.NVFP4, dict(profile="four_over_six", **nv), dict(profile="four_over_six", hadamard="te", **nv)),
+            (Format.NVFP4, dict(rounding="stochastic", seed=torch.tensor([1]), **nv),
+             dict(rounding="stochastic", seed=torch.tensor([3]), hadamard="random", hadamard_seed=torch.tensor([2]), **nv)),
+            (Format.MXFP4, dict(mode="floor"), dict(mode="floor", hadamard="none"))):
+        _try(quantize.block_values_pair, x, fmt, rows=rows, columns=columns, columns_len=64)
     _try(amax.finite_amax, x)
     _try(_decode_and_gemm, x, decode, gemm)
     a, b = torch.randn(64, 64, generator=g).bfloat16(), torch.randn(64, 64, generator=g).bfloat16()

@@ -371,3 +371,53 @@ def test_a_device_seed_gives_the_bytes_of_its_int(fmt, axis, seed, h_seed, sr, r
     with pytest.raises(ValueError, match="one int64 element"):
         kernels.quantize_values(x, fmt, seed=torch.tensor([seed, seed], device=DEVICE), rounding="stochastic",
                                 backend="triton")
+
+
+@settings(max_examples=15, deadline=None)
+@given(fmt=st.sampled_from(["nvfp4", "nvfp4-torchao", "nvfp4-46", "mxfp4"]), m=st.integers(1, 70),
+       k_blocks=st.integers(1, 5), seed=st.integers(0, 1000), sr=st.sampled_from([(False, False), (True, True),
+                                                                                   (False, True)]),
+       bf16=st.booleans(), hadamard=st.sampled_from([None, "none", "random", "te"]), device_seeds=st.booleans())
+@example(fmt="nvfp4", m=64, k_blocks=4, seed=3, sr=(True, True), bf16=True, hadamard="random", device_seeds=True)
+def test_a_pair_is_both_copies_quantized_alone(fmt, m, k_blocks, seed, sr, bf16, hadamard, device_seeds):
+    """A linear's two copies of one tensor from one read (x for fprop and wgrad, dy for dgrad and
+    wgrad): the rows copy is x quantized along K, the columns copy x zero-padded to a multiple of
+    32 rows, rotated as asked and quantized along the rows, each with its own seed: the bytes,
+    tensor scales and rows of the two calls alone (the reference's)."""
+    knobs = {"nvfp4": dict(block=(1, 16)), "nvfp4-torchao": dict(block=(1, 16), profile="torchao"),
+             "nvfp4-46": dict(block=(1, 16), profile="four_over_six"), "mxfp4": dict(mode="rceil")}[fmt]
+    fmt = fmt.split("-")[0]
+    if fmt == "mxfp4" and hadamard == "te":
+        hadamard = "random"  # TE's signs are 16-point
+    block = 16 if fmt == "nvfp4" else 32
+    x = hard_input((m, k_blocks * block), seed, torch.bfloat16 if bf16 else torch.float32)
+    seeds = (seed + 1, seed + 2, seed + 3)
+    as_seed = (lambda s: torch.tensor([s], device=DEVICE)) if device_seeds else (lambda s: s)
+    rows = dict(rounding="stochastic" if sr[0] else "rtne", seed=as_seed(seeds[0]), **knobs)
+    columns = dict(rounding="stochastic" if sr[1] else "rtne", seed=as_seed(seeds[1]), **knobs,
+                   **({} if hadamard is None else dict(hadamard=hadamard, hadamard_seed=as_seed(seeds[2]))))
+    padded = m + (-m % 32)
+    from fp4lab.kernels.quantize import block_values_pair  # the pair kernel itself, not a fallback
+    fast = block_values_pair(x.to(DEVICE), formats.Format.parse(fmt), rows=rows, columns=columns, columns_len=padded)
+    plain = lambda kw: {k: (v.item() if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+    alone = (kernels.quantize_values(x, fmt, axis=1, pad=True, backend="reference", **plain(rows)),
+             kernels.quantize_values(torch.nn.functional.pad(x, (0, 0, 0, padded - m)), fmt, axis=0, pad=True,
+                                     backend="reference", **plain(columns)))
+    for got, want in zip(fast, alone):
+        assert_same_values(got, want)
+
+
+def test_a_pair_the_kernel_does_not_cover_is_the_two_calls():
+    """fp16, K not a multiple of the block, 16x16 blocks: quantize_values_pair makes the copies
+    one by one (the same function), and the pair kernel refuses them with the reason."""
+    from fp4lab.kernels.quantize import block_values_pair
+    x = hard_input((40, 48), 2)
+    for t, rows, length in ((x.half().nan_to_num(0.0, 6e4, -6e4), {}, 64), (x[:, :40], {}, 64),
+                            (x, dict(block=(16, 16)), 48), (x, {}, 40)):
+        got = kernels.quantize_values_pair(t.to(DEVICE), "nvfp4", rows=rows, columns={}, columns_len=length,
+                                           backend="triton")
+        padded = torch.nn.functional.pad(t, (0, 0, 0, length - t.shape[0]))
+        assert_same_values(got[0], kernels.quantize_values(t, "nvfp4", axis=1, pad=True, backend="reference", **rows))
+        assert_same_values(got[1], kernels.quantize_values(padded, "nvfp4", axis=0, pad=True, backend="reference"))
+        with pytest.raises(ValueError, match="block_values_pair"):
+            block_values_pair(t.to(DEVICE), formats.Format.NVFP4, rows=rows, columns={}, columns_len=length)
