@@ -60,6 +60,17 @@ def main() -> None:
         "nvfp4_values_rht_sr": (lambda: kernels.quantize_values(x, axis=0, hadamard="te", rounding="stochastic",
                                                                  seed=1, global_amax=amax, **tri), n * 4),
     }
+    # a linear's two copies of one tensor (NVIDIA's recipe): x for fprop (along K) and wgrad (along
+    # the tokens, random-sign RHT), dy for dgrad and wgrad (both SR); one at a time with their amax
+    # passes (4 reads of x, 2 writes) against the pair kernel (2 reads, 2 writes)
+    rht = dict(hadamard="random", hadamard_seed=2)
+    sr = dict(rounding="stochastic", seed=1)
+    pair_cases = {"x": ({}, rht), "dy": (sr, {**sr, **rht, "seed": 3})}
+    for t, (rows_kw, cols_kw) in pair_cases.items():
+        cases[f"nvfp4_{t}_two_copies"] = (lambda r=rows_kw, c=cols_kw: (
+            kernels.quantize_values(x, **r, **tri), kernels.quantize_values(x, axis=0, **c, **tri)), n * 8)
+        cases[f"nvfp4_{t}_pair"] = (lambda r=rows_kw, c=cols_kw: kernels.quantize_values_pair(
+            x, "nvfp4", rows=r, columns=c, columns_len=x.shape[0], **tri), n * 6)
     q = kernels.quantize_nvfp4(x, **tri)
     cases["nvfp4_dequantize_bf16"] = (lambda: kernels.dequantize(q, torch.bfloat16, **tri), n * (0.5 + 1 / 16 + 2))
     try:
@@ -85,7 +96,12 @@ def main() -> None:
     print(f"{'case':40s} {'ms':>8s} {'GB/s':>8s} {'/copy':>6s} {'eager ms':>9s}")
     for name, r in rows.items():
         print(f"{name:40s} {r['ms']:8.3f} {r['gbs']:8.0f} {r['over_copy']:6.2f} {r['eager_ms']:9.3f}")
-    latest = {"quant_nvfp4_over_copy": rows["nvfp4_rtne"]["over_copy"],
+    pair = {t: rows[f"nvfp4_{t}_pair"]["ms"] / rows[f"nvfp4_{t}_two_copies"]["ms"] for t in pair_cases}
+    print("a linear's two copies from one read, time over one copy at a time: "
+          + ", ".join(f"{t} {r:.2f}x" for t, r in pair.items()))
+    payload["pair_over_two_copies"] = pair
+    latest = {"quant_pair_x_over_two_copies": pair["x"], "quant_pair_dy_over_two_copies": pair["dy"],
+              "quant_nvfp4_over_copy": rows["nvfp4_rtne"]["over_copy"],
               "quant_nvfp4_amax_given_over_copy": rows["nvfp4_rtne_amax_given"]["over_copy"],
               "quant_rht_sr_over_copy": rows["nvfp4_rht_sr"]["over_copy"],
               "quant_rht_sr_amax_given_over_copy": rows["nvfp4_rht_sr_amax_given"]["over_copy"],

@@ -129,6 +129,25 @@ class Call:
                                 rotation=self.rotation(gemm), stats=self.stats, key=f"{self.name}.{gemm}.{side}",
                                 codes=codes)
 
+    def operand_pair(self, t: torch.Tensor, rows: tuple[str, str], columns: tuple[str, str]
+                     ) -> tuple[BlockValues, BlockValues] | None:
+        """t [M, K]'s two copies, one read serving both (kernels.quantize_values_pair): the operand
+        (gemm, side) ``rows`` along K, and ``columns`` along the tokens (t zero-padded to a multiple
+        of 32 rows, as wgrad pads): the bytes of the two Call.operand calls. None where the pair
+        does not apply (statistics, dither, 16x16 blocks, a rotated rows copy, a rotation the
+        quantizer does not fuse, two formats) and the caller quantizes each on its own."""
+        (gr, sr), (gc, sc) = rows, columns
+        op_r, op_c = getattr(self.recipe.gemm(gr), sr), getattr(self.recipe.gemm(gc), sc)
+        rotation = self.rotation(gc)
+        if (self.stats is not None or t.dim() != 2 or not (op_r.quantized and op_c.quantized)
+                or op_r.format is not op_c.format or op_r.block2d or op_c.block2d or op_r.dither or op_c.dither
+                or self.recipe.gemm(gr).rotated or (rotation is not None and not fuses_rotation(op_c, rotation))):
+            return None
+        return kernels.quantize_values_pair(
+            t, op_r.format, rows=dict(rounding=op_r.rounding, seed=self.seed(gr, sr), **operand_knobs(op_r)),
+            columns=dict(rounding=op_c.rounding, seed=self.seed(gc, sc), **operand_knobs(op_c, rotation)),
+            columns_len=t.shape[0] + (-t.shape[0] % WGRAD_ROW_MULTIPLE))
+
     def weight_source(self, weight: torch.Tensor) -> torch.Tensor:
         """The weight fprop and dgrad quantize: dithered once per call when the recipe asks."""
         spec = self.recipe.fprop.b
@@ -282,15 +301,18 @@ def _multiply(a: list | GroupedValues, a_axis: int, b: list | GroupedValues, b_a
 
 
 def gemms_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int],
-                  calls: list[Call], grouped: bool, *, keep: bool = False) -> tuple[torch.Tensor, dict]:
+                  calls: list[Call], grouped: bool, *, keep: bool = False, keep_x: bool = False
+                  ) -> tuple[torch.Tensor, dict]:
     """fprop -> (y, what backward may reuse: with ``keep``, dithered weights and fprop's weight
-    operands when dgrad can multiply them transposed)."""
+    operands when dgrad can multiply them transposed; with ``keep_x`` (a weight gradient follows),
+    wgrad's copy of a dense layer's x, made in the same read as fprop's: ``x_wgrad``)."""
     # x: [S, K], weight: [G, N, K], bias: [N] | None (dense only) -> y: [S, N]
     live = _live(sizes, grouped)
     live_calls = [calls[g] for g in live]
     xs = x.split([sizes[g] for g in live]) if grouped else [x]
     w_src = [calls[g].weight_source(weight[g]) for g in live]
     fprop = calls[0].recipe.fprop
+    saved = {}
     # ---- fprop: y = x @ W^T, contraction over K
     w_fprop = None
     if fprop.emulated:
@@ -298,6 +320,10 @@ def gemms_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         w_fprop = grouped and _fprop_weights_at_once(weight, live_calls)
         w_fprop = w_fprop or [calls[g].operand(w, 1, "fprop", "b") for g, w in zip(live, w_src)]
         a = grouped and _all_at_once(x, [sizes[g] for g in live], live_calls, "fprop", "a")
+        if not grouped and keep_x and calls[0].recipe.wgrad.emulated:
+            pair = calls[0].operand_pair(x, ("fprop", "a"), ("wgrad", "b"))
+            if pair is not None:
+                a, saved["x_wgrad"] = [pair[0]], pair[1]
         a = a or [calls[g].operand(xg, 1, "fprop", "a") for g, xg in zip(live, xs)]
         y = _multiply(a, 1, w_fprop, 1, grouped, (x.shape[0], weight.shape[1]), x)
         y = y if bias is None else y + bias
@@ -308,7 +334,6 @@ def gemms_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
             x.shape[0], weight.shape[1])
     else:
         y = F.linear(x, w_src[0], bias)
-    saved = {}
     if keep:
         saved["w_src"] = w_src if fprop.b.dither else None  # dithered copies (else weight[g] itself)
         reuse = w_fprop is not None and calls[0].dgrad_reuses_fprop_weight()
@@ -335,6 +360,9 @@ def gemms_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, size
     dgrad, wgrad = calls[0].recipe.dgrad, calls[0].recipe.wgrad
     offs = _offsets(sizes, dy.device) if grouped and _bf16_grouped(dy, weight, calls) else None
     dx = dw = None
+    # a dense layer quantizing dy for both dgrad and wgrad reads it once for both copies
+    dy_pair = (not grouped and need_dx and need_dw and dgrad.emulated and wgrad.emulated
+               and calls[0].operand_pair(dy, ("dgrad", "a"), ("wgrad", "a")) or None)
     # ---- dgrad: dx = dy @ W, contraction over N
     if need_dx:
         if dgrad.emulated:
@@ -345,7 +373,7 @@ def gemms_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, size
                 w_ops = [v.transposed(k) for v in w_values]
             else:
                 w_ops = [calls[g].operand(w, 0, "dgrad", "b") for g, w in zip(live, w_src)]
-            a = grouped and _all_at_once(dy, rows, live_calls, "dgrad", "a")
+            a = [dy_pair[0]] if dy_pair else grouped and _all_at_once(dy, rows, live_calls, "dgrad", "a")
             a = a or [calls[g].operand(dyg, 1, "dgrad", "a") for g, dyg in zip(live, dys)]
             dx = _multiply(a, 1, w_ops, 0, grouped, tuple(x.shape), dy)
         elif offs is not None:  # the kernel takes row- or column-major strides only
@@ -370,10 +398,10 @@ def gemms_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, size
     elif need_dw:
         dw = torch.zeros_like(weight) if grouped else None
         for g, dyg, xg in zip(live, dys, xs):
-            if wgrad.emulated:
-                dy_m, x_m = _pad_rows(dyg), _pad_rows(xg)
-                dw_g = run_gemm(calls[g].operand(dy_m, 0, "wgrad", "a"), 0, calls[g].operand(x_m, 0, "wgrad", "b"),
-                                0, dy.dtype)
+            if wgrad.emulated:  # (a dense layer's copies may come from the reads that served fprop and dgrad)
+                a = dy_pair[1] if dy_pair else calls[g].operand(_pad_rows(dyg), 0, "wgrad", "a")
+                b = saved.get("x_wgrad") or calls[g].operand(_pad_rows(xg), 0, "wgrad", "b")
+                dw_g = run_gemm(a, 0, b, 0, dy.dtype)
             else:
                 dw_g = dyg.t().mm(xg)
             if grouped:
@@ -407,19 +435,24 @@ def _live(sizes: list[int], grouped: bool) -> list[int]:
 class _FP4GemmsFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int],
-                calls: list[Call], grouped: bool):
-        y, ctx.saved = gemms_forward(x, weight, bias, sizes, calls, grouped, keep=ctx.needs_input_grad[0])
-        ctx.save_for_backward(x, weight)
+                calls: list[Call], grouped: bool, training: bool):
+        # (grad mode is off inside forward, and needs_input_grad ignores it: the caller says)
+        y, ctx.saved = gemms_forward(x, weight, bias, sizes, calls, grouped, keep=ctx.needs_input_grad[0],
+                                     keep_x=training and ctx.needs_input_grad[1])
+        # with wgrad's copy of x kept, backward needs only x's shape: x itself is not held for it
+        ctx.save_for_backward(None if "x_wgrad" in ctx.saved else x, weight)
+        ctx.x_like = torch.empty(x.shape, dtype=x.dtype, device="meta")
         ctx.sizes, ctx.calls, ctx.grouped, ctx.has_bias = sizes, calls, grouped, bias is not None
         return y
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         x, weight = ctx.saved_tensors
+        x = ctx.x_like if x is None else x
         dx, dw = gemms_backward(dy, x, weight, ctx.sizes, ctx.calls, ctx.grouped, need_dx=ctx.needs_input_grad[0],
                                 need_dw=ctx.needs_input_grad[1], saved=ctx.saved)
         db = dy.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return dx, dw, db, None, None, None
+        return dx, dw, db, None, None, None, None
 
 
 def fp4_gemms(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int],
@@ -427,4 +460,4 @@ def fp4_gemms(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
     """x: [S, K], weight: [G, N, K] (G = 1 unless ``grouped``), bias: [N] | None, all in the
     compute dtype -> y: [S, N]: group g's ``sizes[g]`` rows times weight[g]^T, the three GEMMs
     under ``calls[g]`` (see the module doc). The recipe in force is calls[0]'s for every group."""
-    return _FP4GemmsFn.apply(x, weight, bias, list(sizes), list(calls), grouped)
+    return _FP4GemmsFn.apply(x, weight, bias, list(sizes), list(calls), grouped, torch.is_grad_enabled())

@@ -40,18 +40,30 @@ def test_bf16_recipe_equals_nn_linear_exactly(autocast):
 
 
 class _Recorder:
-    """Wraps quant.quantize_operand inside nn.gemms: (gemm, side) -> (source, axis, result)."""
+    """Wraps quant.quantize_operand inside nn.gemms, and Call.operand_pair (two copies of one
+    tensor from one read): (gemm, side) -> (source, axis, result); a pair's columns copy is
+    recorded with its source as wgrad sees it, zero-padded to a multiple of 32 rows."""
 
     def __init__(self, monkeypatch):
         self.seen = {}
-        real = G.quantize_operand
+        self.pairs = []
+        real, real_pair = G.quantize_operand, G.Call.operand_pair
 
         def spy(t, axis, op, *, seed, rotation=None, stats=None, key="", **kwargs):
             out = real(t, axis, op, seed=seed, rotation=rotation, stats=stats, key=key, **kwargs)
             gemm, side = key.split(".")[-2:]
             self.seen[gemm, side] = (t, axis, out)
             return out
+
+        def spy_pair(call, t, rows, columns):
+            out = real_pair(call, t, rows, columns)
+            if out is not None:
+                self.pairs.append((rows, columns))
+                self.seen[rows] = (t, 1, out[0])
+                self.seen[columns] = (torch.nn.functional.pad(t, (0, 0, 0, -t.shape[0] % 32)), 0, out[1])
+            return out
         monkeypatch.setattr(G, "quantize_operand", spy)
+        monkeypatch.setattr(G.Call, "operand_pair", spy_pair)
 
 
 def _by_hand(t, axis, op: Operand, spec: GemmSpec, recipe: Recipe, root: int, gemm: str, side: str):
@@ -219,13 +231,22 @@ def test_triton_path_gives_the_reference_bytes(n, k, name, monkeypatch):
     if n == 20:
         w[3, 7] = float("inf")
     seen = {}
+    from fp4lab.kernels import quantize as triton_quantize
     for backend in ("reference", "triton"):
         monkeypatch.setenv("FP4LAB_BACKEND", backend)
         rec = _Recorder(monkeypatch)
+        fused = []
+        real = triton_quantize.block_values_pair
+        monkeypatch.setattr(triton_quantize, "block_values_pair", lambda *a, **kw: fused.append(1) or real(*a, **kw))
         wp = w.clone().requires_grad_()
         fp4_linear(x.clone().requires_grad_(), wp, None, preset(name), name="l",
                    context=QuantContext(tick=1)).backward(dy)
         seen[backend] = dict(rec.seen)
+        # x for fprop and wgrad, dy for dgrad and wgrad: each read once for both of its copies where the
+        # pair kernel covers the shape (K, or N for dy, a multiple of the block), else one copy at a time
+        assert rec.pairs == [(("fprop", "a"), ("wgrad", "b")), (("dgrad", "a"), ("wgrad", "a"))]
+        block = 16 if name == "nvfp4" else 32
+        assert len(fused) == (backend == "triton") * ((k % block == 0) + (n % block == 0))
         monkeypatch.undo()  # one spy at a time
     # on both backends NVIDIA's recipe lets dgrad multiply fprop's weight values transposed
     assert set(seen["reference"]) == set(seen["triton"])
