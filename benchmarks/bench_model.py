@@ -11,7 +11,8 @@ that alternate the arms; a ratio is the median over rounds of the round's step o
 round's BF16 step, with the rounds' range beside it. Each arm runs eager and under torch.compile (the FP4 GEMMs
 as nn.ops custom ops); a compiled FP4 arm is compared with compiled BF16, as users run it. ``--modes graphed``
 adds the eager step captured in one CUDA graph (train.graphed; dense models: MoE routing syncs),
-against graphed BF16, and ``compiled_graphed`` the compiled one.
+against graphed BF16, and ``compiled_graphed`` the compiled one. An arm ``NAME:single`` is NAME
+with x and dy quantized one copy at a time (no pair kernel), timed beside NAME.
 Writes benchmarks/results/model.json (d12; other models model_<name>.json) and the matching keys
 of latest.json: <name>_<arm>_step_over_bf16 (eager), <name>_<arm>_step_over_bf16_compiled (and _graphed).
 """
@@ -19,6 +20,7 @@ of latest.json: <name>_<arm>_step_over_bf16 (eager), <name>_<arm>_step_over_bf16
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -28,17 +30,47 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import environment, save  # noqa: E402
-from fp4lab.nn import GPT, model_config, quantize_model  # noqa: E402
+from fp4lab.nn import GPT, gemms, model_config, quantize_model  # noqa: E402
 from fp4lab.nn.recipe import preset  # noqa: E402
 from fp4lab.train.graphed import GraphedStep  # noqa: E402
 
 ARMS = ("bf16", "nvfp4", "nvfp4_plain", "mxfp4")
 
 
-def make_step(recipe_name: str, mode: str, args):
-    """-> step(i): one training step (forward, backward, AdamW) of ``args.model`` under the recipe;
-    ``graphed`` / ``compiled_graphed``: the eager / compiled step captured in a CUDA graph
-    (train.graphed), replayed per step."""
+@contextlib.contextmanager
+def one_copy_at_a_time(active: bool):
+    """While active, the FP4 layers quantize x and dy one copy at a time (nn.gemms.Call.operand_pair
+    declines): the step as it ran before the pair kernel, for a side-by-side timing."""
+    if not active:
+        yield
+        return
+    real = gemms.Call.operand_pair
+    gemms.Call.operand_pair = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        gemms.Call.operand_pair = real
+
+
+def make_step(arm: str, mode: str, args):
+    """-> step(i): one training step (forward, backward, AdamW) of ``args.model`` under the arm's
+    recipe (``name:single``: quantizing x and dy one copy at a time); ``graphed`` /
+    ``compiled_graphed``: the eager / compiled step captured in a CUDA graph (train.graphed),
+    replayed per step (the choice made at capture)."""
+    recipe_name, _, variant = arm.partition(":")
+    if variant not in ("", "single"):
+        raise SystemExit(f"unknown arm variant {arm!r} (NAME or NAME:single)")
+    single = variant == "single"
+    with one_copy_at_a_time(single):
+        step = _make_step(recipe_name, mode, args)
+
+    def run(i: int) -> None:
+        with one_copy_at_a_time(single):
+            step(i)
+    return run
+
+
+def _make_step(recipe_name: str, mode: str, args):
     torch.manual_seed(0)
     model = GPT(model_config(args.model, seq_len=args.seq)).cuda()
     context = quantize_model(model, preset(recipe_name))
@@ -115,7 +147,8 @@ def main() -> None:
     payload = {**environment(), "model": args.model, "batch": args.batch, "seq": args.seq, "rounds": args.rounds,
                "steps_per_round": args.steps, "arms": rows}
     name = "model" if args.model == "d12" else f"model_{args.model.replace('-', '_')}"
-    keys = {f"{name}_{r['arm']}_step_over_bf16{'' if r['mode'] == 'eager' else '_' + r['mode']}": r["over_bf16"]
+    keys = {f"{name}_{r['arm'].replace(':', '_')}_step_over_bf16{'' if r['mode'] == 'eager' else '_' + r['mode']}":
+            r["over_bf16"]
             for r in rows.values() if r["arm"] != "bf16"}
     if "bf16/eager" in rows:
         keys[f"{name}_bf16_tokens_per_s"] = rows["bf16/eager"]["tokens_per_s"]
