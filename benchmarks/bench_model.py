@@ -79,10 +79,8 @@ def _make_step(recipe_name: str, mode: str, args):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True, capturable=graphed)
     idx = torch.randint(0, model.cfg.vocab_size, (args.batch, args.seq + 1), device="cuda")
     if graphed:
-        def loss_fn(batch: torch.Tensor) -> torch.Tensor:
-            with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
-                return runner(batch[:, :-1], batch[:, 1:])
-        step = GraphedStep(loss_fn, opt, context, (idx,))
+        step = GraphedStep(lambda batch: runner(batch[:, :-1], batch[:, 1:]), opt, context, (idx,),
+                           autocast=torch.bfloat16)
         return lambda i: step(i, idx)
 
     def step(i: int) -> None:

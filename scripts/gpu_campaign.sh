@@ -32,7 +32,7 @@
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 FP4LAB_CACHE=${FP4LAB_CACHE:-/tmp/fp4lab-cache} OMP_NUM_THREADS=1
 OUT=${OUT:-/tmp/out}
-ROOT=runs/gpu
+ROOT=${CAMPAIGN_ROOT:-runs/gpu}  # CAMPAIGN_ROOT=results: the reuse phase assembles committed results
 mkdir -p "$ROOT"
 quiet() { grep --line-buffered -v -E "it/s|s/it|step/s|s/step|file/s|run/s|s/run"; }
 

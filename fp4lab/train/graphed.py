@@ -22,6 +22,9 @@ capture after the switch.
     step = GraphedStep(loss_fn, optimizer, context, inputs)  # warms up, then captures
     loss = step(tick, *batch)                                 # copies, refills seeds, replays
 
+``autocast=torch.bfloat16`` runs loss_fn under autocast as a training step would, without
+autocast's cast cache (whose cached weight casts would be captured once and go stale).
+
 With ``step=False`` the graph holds forward and backward only: the trainer (train.loop, setting
 ``cuda_graph``) clips, checks for divergence and steps its optimizers eagerly after each replay,
 so a diverged step still moves no weight, and the warm-up changes nothing but the gradients.
@@ -50,13 +53,14 @@ class GraphedStep:
 
     def __init__(self, loss_fn: Callable[..., torch.Tensor],
                  optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer], context: QuantContext,
-                 inputs: tuple[torch.Tensor, ...], *, warmup: int = 3, step: bool = True):
+                 inputs: tuple[torch.Tensor, ...], *, warmup: int = 3, step: bool = True,
+                 autocast: torch.dtype | None = None):
         if not all(t.is_cuda for t in inputs):
             raise ValueError("a CUDA graph replays CUDA work: the inputs must be CUDA tensors")
         if context.seeds is None:
             context.seeds = SeedTable(inputs[0].device)
         self.optimizers = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
-        self.context, self.loss_fn, self.step = context, loss_fn, step
+        self.context, self.loss_fn, self.step, self.autocast = context, loss_fn, step, autocast
         self.inputs = tuple(t.clone() for t in inputs)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -79,7 +83,11 @@ class GraphedStep:
     def _body(self) -> torch.Tensor:
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
-        loss = self.loss_fn(*self.inputs)
+        if self.autocast is None:
+            loss = self.loss_fn(*self.inputs)
+        else:  # without autocast's cast cache: a cached cast would be captured once and replayed stale
+            with torch.autocast("cuda", dtype=self.autocast, cache_enabled=False):
+                loss = self.loss_fn(*self.inputs)
         loss.backward()
         if self.step:
             for opt in self.optimizers:

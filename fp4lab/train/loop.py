@@ -248,12 +248,9 @@ def _graphed_loss(run: Run, graphs: dict, step: int, x: torch.Tensor, y: torch.T
     in_force = run.recipe.at_progress(run.context.progress)
     if graphs.get("recipe") != in_force:
         graphs.clear()  # the old graph's memory goes back before the new capture
-
-        def loss_fn(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            with torch.autocast(run.device.type, dtype=torch.bfloat16, cache_enabled=False):  # no cache across replays
-                return run.runner(x, y)
         # the warm-up runs forward and backward only: it moves no weight
-        graphs["step"] = GraphedStep(loss_fn, run.optimizers, run.context, (x, y), warmup=2, step=False)
+        graphs["step"] = GraphedStep(run.runner, run.optimizers, run.context, (x, y), warmup=2, step=False,
+                                     autocast=torch.bfloat16)
         graphs["recipe"] = in_force
     return graphs["step"](step, x, y)
 
