@@ -5,8 +5,9 @@
 For each (BR, BC, warps) of kernels.quantize.TILES["transposed"] (and a few "rows" tiles): the
 time of Wgrad's operands as nn quantizes them, x 8192 x 4096 bf16 read along axis 0 and written
 as bf16 block values (2 + 2 bytes per element): RTNE, RHT + SR with the amax given, and the
-rotated-amax pass alone; plus the plain row-wise quantize. Prints GB/s over the copy bandwidth and
-writes benchmarks/results/sweep_quantize.json.
+rotated-amax pass alone; plus the plain row-wise quantize; and the pair kernel's tiles
+(kernels.quantize.PAIR_TILE: x's fprop and wgrad copies from one read, both passes). Prints GB/s
+over the copy bandwidth and writes benchmarks/results/sweep_quantize.json.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from fp4lab.kernels import quantize  # noqa: E402
 TRANSPOSED = [(128, 64, 4), (64, 64, 4), (64, 32, 4), (128, 32, 4), (256, 32, 8), (64, 128, 4), (32, 64, 2),
               (128, 128, 8), (256, 64, 8), (32, 32, 1)]
 ROWS = [(32, 128, 4), (16, 128, 2), (64, 64, 4), (16, 256, 4)]
+PAIR = [(64, 64, 4), (32, 64, 4), (64, 32, 4), (128, 64, 8), (64, 128, 8), (32, 32, 2), (128, 128, 8)]
 
 
 def main() -> None:
@@ -51,6 +53,21 @@ def main() -> None:
             results[key] = {"ms": ms, "over_copy": nbytes / ms / 1e6 / copy}
             print(f"{key:52s} {ms:.3f} ms  {results[key]['over_copy']:.2f} of copy", flush=True)
         quantize.TILES.update(saved)
+    # the pair kernel (x's fprop and wgrad copies from one read: its two passes, amax included)
+    pair_saved = quantize.PAIR_TILE
+    for tile in PAIR:
+        quantize.PAIR_TILE = tile
+        key = f"pair_x_rht_{tile[0]}x{tile[1]}_w{tile[2]}"
+        try:
+            ms = graph_ms(lambda: kernels.quantize_values_pair(
+                x, "nvfp4", rows={}, columns=dict(hadamard="random", hadamard_seed=2), columns_len=x.shape[0],
+                backend="triton"))
+        except Exception as exc:  # e.g. too many registers for this tile
+            print(f"{key}: {type(exc).__name__}")
+            continue
+        results[key] = {"ms": ms, "over_copy": n * 6 / ms / 1e6 / copy}  # 2 read + 2 x 2 written
+        print(f"{key:52s} {ms:.3f} ms  {results[key]['over_copy']:.2f} of copy", flush=True)
+    quantize.PAIR_TILE = pair_saved
     save("sweep_quantize", {**environment(), "copy_gbs": copy, "cases": results})
 
 

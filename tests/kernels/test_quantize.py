@@ -421,3 +421,18 @@ def test_a_pair_the_kernel_does_not_cover_is_the_two_calls():
         assert_same_values(got[1], kernels.quantize_values(padded, "nvfp4", axis=0, pad=True, backend="reference"))
         with pytest.raises(ValueError, match="block_values_pair"):
             block_values_pair(t.to(DEVICE), formats.Format.NVFP4, rows=rows, columns={}, columns_len=length)
+
+
+@pytest.mark.parametrize("tile", [(32, 32, 2), (64, 32, 4), (32, 64, 4), (128, 64, 8)])
+def test_a_pairs_bytes_do_not_depend_on_its_tile(tile, monkeypatch):
+    """The tiles benchmarks/sweep_quantize.py tries for the pair kernel give the same bytes (each
+    copy's blocks, amaxes and Philox groups are the tile's, wherever its edges fall)."""
+    from fp4lab.kernels import quantize as triton_quantize
+    x = hard_input((72, 96), 5, torch.bfloat16)
+    kw = dict(rows=dict(rounding="stochastic", seed=4),
+              columns=dict(rounding="stochastic", seed=5, hadamard="random", hadamard_seed=6), columns_len=96)
+    monkeypatch.setattr(triton_quantize, "PAIR_TILE", tile)
+    got = kernels.quantize_values_pair(x.to(DEVICE), "nvfp4", backend="triton", **kw)
+    want = kernels.quantize_values_pair(x, "nvfp4", backend="reference", **kw)
+    for g, w in zip(got, want):
+        assert_same_values(g, w)
