@@ -151,6 +151,9 @@ def quantize_values_pair(x: torch.Tensor, fmt: str | Format, *, rows: dict, colu
     Triton, where kernels.quantize.pair_refusal allows, each read of x serves both copies (one pass
     for both tensor amaxes, one for both copies); else the two calls."""
     spec = formats.spec_of(fmt)
+    if x.dim() != 2 or columns_len < x.shape[0] or columns_len % spec.block_len:
+        raise ValueError(f"quantize_values_pair: x {tuple(x.shape)} needs to be a matrix whose rows, padded to "
+                         f"columns_len = {columns_len}, are a whole number of {spec.block_len}-blocks")
     if uses_triton(x, backend):
         from .quantize import block_values_pair, pair_refusal
         if pair_refusal(x, spec.format, rows, columns, columns_len) is None:

@@ -633,10 +633,10 @@ def pair_refusal(x: torch.Tensor, fmt: Format, rows: dict, columns: dict, column
     or None: a 2D bf16/fp32 matrix with no empty axis, K and the padded rows multiples of the
     block, 1-row blocks, no rotation of the rows copy, TE's signs at 16 points only."""
     size = 16 if fmt is Format.NVFP4 else MX_BLOCK
-    for kw in (rows, columns):
+    for copy, kw in enumerate((rows, columns)):
         unknown = set(kw) - {"rounding", "seed", "profile", "mode", "block", "pad", "hadamard", "hadamard_seed"}
         block = _nvfp4_block(kw.get("block", 16)) if fmt is Format.NVFP4 else (1, MX_BLOCK)
-        if unknown or block != (1, size) or (kw is rows and kw.get("hadamard") is not None):
+        if unknown or block != (1, size) or (copy == 0 and kw.get("hadamard") is not None):
             return f"1-row blocks and no rotation of the rows copy, got {kw}"
     signs = columns.get("hadamard")
     if (x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float32) or 0 in x.shape or x.shape[1] % size
@@ -662,16 +662,18 @@ def block_values_pair(x: torch.Tensor, fmt: Format, *, rows: dict, columns: dict
     if refusal:
         raise ValueError(f"block_values_pair: {refusal}")
     size = 16 if fmt is Format.NVFP4 else MX_BLOCK
-    rules, stochastic, seeds = [], [], []
+    rules, stochastic = [], []
     for kw in (rows, columns):
-        rounding = Rounding.parse(kw.get("rounding", Rounding.RTNE))
         rules.append(NV_RULES[NVFP4Profile.parse(kw.get("profile", NVFP4Profile.TE))] if fmt is Format.NVFP4
                      else MX_RULES[MXScaleMode.parse(kw.get("mode", MXScaleMode.FLOOR))])
-        stochastic.append(rounding is Rounding.STOCHASTIC)
-        seeds.append(_seed(rounding, kw.get("seed")))
+        stochastic.append(Rounding.parse(kw.get("rounding", Rounding.RTNE)) is Rounding.STOCHASTIC)
     signs = columns.get("hadamard")
     signs = None if signs is None else HadamardSigns.parse(signs)
+    # seeds resolved in the two calls' order (rows; then the columns' rotation, then their rounding),
+    # so a generator or None draws what the two calls would draw
+    seed_r = _seed(Rounding.parse(rows.get("rounding", Rounding.RTNE)), rows.get("seed"))
     h_seed = _kernel_seed(columns.get("hadamard_seed")) if signs is HadamardSigns.RANDOM else 0
+    seeds = (seed_r, _seed(Rounding.parse(columns.get("rounding", Rounding.RTNE)), columns.get("seed")))
     rotation = NO_ROTATION.value if signs is None else HADAMARD_RULES[signs]
     x = x.contiguous()
     m, k = x.shape

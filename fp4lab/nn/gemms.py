@@ -439,18 +439,23 @@ class _FP4GemmsFn(torch.autograd.Function):
         # (grad mode is off inside forward, and needs_input_grad ignores it: the caller says)
         y, ctx.saved = gemms_forward(x, weight, bias, sizes, calls, grouped, keep=ctx.needs_input_grad[0],
                                      keep_x=training and ctx.needs_input_grad[1])
-        # with wgrad's copy of x kept, backward needs only x's shape: x itself is not held for it
-        ctx.save_for_backward(None if "x_wgrad" in ctx.saved else x, weight)
+        # wgrad's copy of x goes through save_for_backward like x would (freed after the backward,
+        # seen by checkpointing and offload hooks); with it kept, backward needs only x's shape
+        xw = ctx.saved.pop("x_wgrad", None)
+        ctx.save_for_backward(x if xw is None else None, weight, *(() if xw is None else (xw.values, xw.tensor_scale)))
+        ctx.x_wgrad = None if xw is None else (xw.rows, xw.format)
         ctx.x_like = torch.empty(x.shape, dtype=x.dtype, device="meta")
         ctx.sizes, ctx.calls, ctx.grouped, ctx.has_bias = sizes, calls, grouped, bias is not None
         return y
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        x, weight = ctx.saved_tensors
-        x = ctx.x_like if x is None else x
+        x, weight, *xw = ctx.saved_tensors
+        saved = ctx.saved  # (a local dict: nothing of this backward stays on ctx)
+        if ctx.x_wgrad is not None:
+            x, saved = ctx.x_like, {**saved, "x_wgrad": BlockValues(xw[0], xw[1], *ctx.x_wgrad)}
         dx, dw = gemms_backward(dy, x, weight, ctx.sizes, ctx.calls, ctx.grouped, need_dx=ctx.needs_input_grad[0],
-                                need_dw=ctx.needs_input_grad[1], saved=ctx.saved)
+                                need_dw=ctx.needs_input_grad[1], saved=saved)
         db = dy.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return dx, dw, db, None, None, None, None
 

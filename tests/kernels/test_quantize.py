@@ -373,28 +373,32 @@ def test_a_device_seed_gives_the_bytes_of_its_int(fmt, axis, seed, h_seed, sr, r
                                 backend="triton")
 
 
-@settings(max_examples=15, deadline=None)
-@given(fmt=st.sampled_from(["nvfp4", "nvfp4-torchao", "nvfp4-46", "mxfp4"]), m=st.integers(1, 70),
-       k_blocks=st.integers(1, 5), seed=st.integers(0, 1000), sr=st.sampled_from([(False, False), (True, True),
-                                                                                   (False, True)]),
-       bf16=st.booleans(), hadamard=st.sampled_from([None, "none", "random", "te"]), device_seeds=st.booleans())
-@example(fmt="nvfp4", m=64, k_blocks=4, seed=3, sr=(True, True), bf16=True, hadamard="random", device_seeds=True)
-def test_a_pair_is_both_copies_quantized_alone(fmt, m, k_blocks, seed, sr, bf16, hadamard, device_seeds):
+@settings(max_examples=20, deadline=None)
+@given(fmt=st.sampled_from(["nvfp4", "mxfp4"]), rules=st.tuples(st.integers(0, 3), st.integers(0, 3)),
+       m=st.integers(1, 70), k_blocks=st.integers(1, 5), seed=st.integers(0, 1000),
+       sr=st.tuples(st.booleans(), st.booleans()), bf16=st.booleans(),
+       hadamard=st.sampled_from([None, "none", "random", "te"]), device_seeds=st.booleans())
+@example(fmt="nvfp4", rules=(0, 0), m=64, k_blocks=4, seed=3, sr=(True, True), bf16=True, hadamard="random",
+         device_seeds=True)
+@example(fmt="nvfp4", rules=(1, 0), m=40, k_blocks=2, seed=4, sr=(False, True), bf16=True, hadamard="random",
+         device_seeds=False)  # the nvfp4_torchao recipe: fprop's x torchao, wgrad's te
+@example(fmt="mxfp4", rules=(0, 3), m=70, k_blocks=3, seed=5, sr=(True, False), bf16=False, hadamard="none",
+         device_seeds=False)  # more rows than one tile
+def test_a_pair_is_both_copies_quantized_alone(fmt, rules, m, k_blocks, seed, sr, bf16, hadamard, device_seeds):
     """A linear's two copies of one tensor from one read (x for fprop and wgrad, dy for dgrad and
     wgrad): the rows copy is x quantized along K, the columns copy x zero-padded to a multiple of
-    32 rows, rotated as asked and quantized along the rows, each with its own seed: the bytes,
-    tensor scales and rows of the two calls alone (the reference's)."""
-    knobs = {"nvfp4": dict(block=(1, 16)), "nvfp4-torchao": dict(block=(1, 16), profile="torchao"),
-             "nvfp4-46": dict(block=(1, 16), profile="four_over_six"), "mxfp4": dict(mode="rceil")}[fmt]
-    fmt = fmt.split("-")[0]
+    32 rows, rotated as asked and quantized along the rows, each with its own scale rule, rounding
+    and seed: the bytes, tensor scales and rows of the two calls alone (the reference's)."""
+    choices = ([dict(block=(1, 16), profile=p) for p in ("te", "torchao", "four_over_six", "te")] if fmt == "nvfp4"
+               else [dict(mode=mode) for mode in ("floor", "ceil", "even", "rceil")])
     if fmt == "mxfp4" and hadamard == "te":
         hadamard = "random"  # TE's signs are 16-point
     block = 16 if fmt == "nvfp4" else 32
     x = hard_input((m, k_blocks * block), seed, torch.bfloat16 if bf16 else torch.float32)
     seeds = (seed + 1, seed + 2, seed + 3)
     as_seed = (lambda s: torch.tensor([s], device=DEVICE)) if device_seeds else (lambda s: s)
-    rows = dict(rounding="stochastic" if sr[0] else "rtne", seed=as_seed(seeds[0]), **knobs)
-    columns = dict(rounding="stochastic" if sr[1] else "rtne", seed=as_seed(seeds[1]), **knobs,
+    rows = dict(rounding="stochastic" if sr[0] else "rtne", seed=as_seed(seeds[0]), **choices[rules[0]])
+    columns = dict(rounding="stochastic" if sr[1] else "rtne", seed=as_seed(seeds[1]), **choices[rules[1]],
                    **({} if hadamard is None else dict(hadamard=hadamard, hadamard_seed=as_seed(seeds[2]))))
     padded = m + (-m % 32)
     from fp4lab.kernels.quantize import block_values_pair  # the pair kernel itself, not a fallback
@@ -409,11 +413,16 @@ def test_a_pair_is_both_copies_quantized_alone(fmt, m, k_blocks, seed, sr, bf16,
 
 def test_a_pair_the_kernel_does_not_cover_is_the_two_calls():
     """fp16, K not a multiple of the block, 16x16 blocks: quantize_values_pair makes the copies
-    one by one (the same function), and the pair kernel refuses them with the reason."""
+    one by one (the same function), and the pair kernel refuses them with the reason; a padded
+    length that is no whole number of blocks, or shorter than x, is an error on both backends."""
     from fp4lab.kernels.quantize import block_values_pair
     x = hard_input((40, 48), 2)
+    for length in (40, 32):  # not whole blocks, fewer rows than x: refused on every backend
+        for backend in ("triton", "reference"):
+            with pytest.raises(ValueError, match="columns_len"):
+                kernels.quantize_values_pair(x, "nvfp4", rows={}, columns={}, columns_len=length, backend=backend)
     for t, rows, length in ((x.half().nan_to_num(0.0, 6e4, -6e4), {}, 64), (x[:, :40], {}, 64),
-                            (x, dict(block=(16, 16)), 48), (x, {}, 40)):
+                            (x, dict(block=(16, 16)), 48)):
         got = kernels.quantize_values_pair(t.to(DEVICE), "nvfp4", rows=rows, columns={}, columns_len=length,
                                            backend="triton")
         padded = torch.nn.functional.pad(t, (0, 0, 0, length - t.shape[0]))

@@ -316,3 +316,22 @@ def test_group_seeds_are_each_calls_seeds(gemm, hadamard):
         assert G._group_seeds(calls, gemm, side) == [c.seed(gemm, side) for c in calls]
     if hadamard is not HadamardMode.NONE:
         assert G._group_rotation_seeds(calls, gemm) == [c.rotation(gemm).seed for c in calls]
+
+
+def test_wgrads_copy_of_x_lives_as_long_as_x_would():
+    """A dense layer keeps wgrad's copy of x (made with fprop's in one read) in place of x, through
+    save_for_backward: autograd frees it after the backward, as it would have freed x."""
+    import gc
+    import weakref
+    x = torch.randn(40, 64, requires_grad=True)
+    w = (torch.randn(48, 64) * 0.05).requires_grad_()
+    y = fp4_linear(x, w, None, nvfp4(), name="l", context=QuantContext(tick=1))
+    node = y.grad_fn.next_functions[0][0]  # under the output's reshape: the three GEMMs' node
+    saved = node.saved_tensors
+    assert saved[0] is None and len(saved) == 4  # no x; weight, wgrad's values and tensor scale
+    assert saved[2].shape == (64, 64)  # [K, tokens padded to 64]
+    kept = weakref.ref(saved[2])
+    del saved
+    y.sum().backward()
+    gc.collect()
+    assert kept() is None and "x_wgrad" not in node.saved
