@@ -20,7 +20,6 @@ of latest.json: <name>_<arm>_step_over_bf16 (eager), <name>_<arm>_step_over_bf16
 from __future__ import annotations
 
 import argparse
-import contextlib
 import statistics
 import sys
 import time
@@ -29,27 +28,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import environment, save  # noqa: E402
-from fp4lab.nn import GPT, gemms, model_config, quantize_model  # noqa: E402
+from benchmarks.common import environment, one_copy_at_a_time, save  # noqa: E402
+from fp4lab.nn import GPT, model_config, quantize_model  # noqa: E402
 from fp4lab.nn.recipe import preset  # noqa: E402
 from fp4lab.train.graphed import GraphedStep  # noqa: E402
 
 ARMS = ("bf16", "nvfp4", "nvfp4_plain", "mxfp4")
-
-
-@contextlib.contextmanager
-def one_copy_at_a_time(active: bool):
-    """While active, the FP4 layers quantize x and dy one copy at a time (nn.gemms.Call.operand_pair
-    declines): the step as it ran before the pair kernel, for a side-by-side timing."""
-    if not active:
-        yield
-        return
-    real = gemms.Call.operand_pair
-    gemms.Call.operand_pair = lambda *args, **kwargs: None
-    try:
-        yield
-    finally:
-        gemms.Call.operand_pair = real
 
 
 def make_step(arm: str, mode: str, args):

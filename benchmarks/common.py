@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -20,6 +21,23 @@ def environment() -> dict:
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip()
     return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "date": datetime.date.today().isoformat(), "git": sha or "unknown"}
+
+
+@contextlib.contextmanager
+def one_copy_at_a_time(active: bool = True):
+    """While active, fp4lab's FP4 layers quantize x and dy one copy at a time (nn.gemms.Call.operand_pair
+    declines): a step as it ran before the pair kernel, for a side-by-side timing. A captured graph
+    keeps the choice made at capture."""
+    if not active:
+        yield
+        return
+    from fp4lab.nn import gemms
+    real = gemms.Call.operand_pair
+    gemms.Call.operand_pair = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        gemms.Call.operand_pair = real
 
 
 def bench_ms(fn, warmup: int = 25, rep: int = 200) -> float:
