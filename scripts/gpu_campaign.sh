@@ -3,7 +3,8 @@
 # (runs/) while it stays warm, so one call starts the work in the background and the next calls
 # wait on it, each bringing back what finished.
 #   scripts/gpu_campaign.sh start NAME PHASE...   run the phases one after another, in the background
-#   scripts/gpu_campaign.sh wait [SECONDS]        wait until every campaign is done (or SECONDS pass)
+#   scripts/gpu_campaign.sh wait [SECONDS]        wait until every campaign is done (or SECONDS pass),
+#                                                 refreshing $OUT/runs.tgz every minute and at the end
 #   scripts/gpu_campaign.sh collect               $OUT/runs.tgz: receipts, logs, sizes (never checkpoints)
 # Phases:
 #   corpus                  build the "code" corpus; its size and build time -> runs/gpu/corpus.json
@@ -89,6 +90,11 @@ json.dump(r, open(sys.argv[3], "w"), indent=1)' "$f" "$(basename "$dest")" "$des
   echo "$from -> $to: $(ls "$ROOT/$to"/*/receipt.json 2>/dev/null | wc -l) receipts"
 }
 
+collect() {  # receipts, logs, reports into $OUT/runs.tgz (never checkpoints), replaced whole
+  find "$ROOT" \( -name receipt.json -o -name '*.log' -o -name '*.json' -o -name '*.md' \) \
+    -not -path '*/checkpoint/*' | tar czf "$OUT/runs.tgz.part" -T - && mv "$OUT/runs.tgz.part" "$OUT/runs.tgz"
+}
+
 run_phases() {
   for phase in "$@"; do
     echo "== $phase $(date +%T)"
@@ -115,16 +121,18 @@ case ${1:-} in
          setsid nohup bash "$0" run "$@" > "$ROOT/$name.log" 2>&1 < /dev/null &
          echo "started $name: $*" ;;
   run) shift; run_phases "$@" ;;
-  wait) end=$(( $(date +%s) + ${2:-540} ))
+  wait) end=$(( $(date +%s) + ${2:-540} )) last=0
         while [ "$(date +%s)" -lt "$end" ]; do
           pending=$(for f in "$ROOT"/*.log; do grep -q "^== done" "$f" || echo "$f"; done)
           [ -z "$pending" ] && break
+          # a fresh $OUT/runs.tgz every minute: a call cut off by its time limit (or the device
+          # budget) still brings back what had finished (the device returns $OUT on a timeout)
+          if [ $(( $(date +%s) - last )) -ge 60 ]; then collect; last=$(date +%s); fi
           sleep 15
         done
+        collect
         nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader
         for f in "$ROOT"/*.log; do echo "-- $f"; tail -4 "$f"; done ;;
-  collect) find "$ROOT" \( -name receipt.json -o -name '*.log' -o -name '*.json' -o -name '*.md' \) \
-             -not -path '*/checkpoint/*' | tar czf "$OUT/runs.tgz" -T -
-           ls -la "$OUT" ;;
+  collect) collect; ls -la "$OUT" ;;
   *) echo "usage: $0 start NAME PHASE... | wait [SECONDS] | collect"; exit 2 ;;
 esac
