@@ -21,3 +21,4 @@ def test_every_launch_compiles_for_sm90(tmp_path):
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
     assert "0 failed" in done.stdout and "_fp4_quantize_kernel {'SCALE_RULE': 2" in done.stdout
+    assert "_fp4_pair_kernel {'RULE_R': 0, 'RULE_C': 0, 'BLOCK': 16" in done.stdout  # a linear's two copies
