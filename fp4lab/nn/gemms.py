@@ -13,7 +13,10 @@ dense layers would. Every operand is quantized from the high-precision tensor
 (quant.quantize_operand), never from another quantized copy (TE's rowwise / columnwise scheme);
 when fprop's and dgrad's weight operands are the same 16x16 RTNE tiles, dgrad multiplies
 fprop's block values transposed instead of quantizing W again (the same values, tested). A
-dithered weight is dithered once per call and both GEMMs quantize it. For wgrad the token axis
+dense layer's x (fprop's and wgrad's copies) and dy (dgrad's and wgrad's) each give both of their
+copies from one read where the kernel covers them (``Call.operand_pair``: the same bytes); x's
+wgrad copy is then kept for the backward in place of x. A dithered weight is dithered once per
+call and both GEMMs quantize it. For wgrad the token axis
 is zero-padded to a multiple of 32 (zero rows add nothing to dy^T x); each group's wgrad
 contracts over the group's own rows.
 
