@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # What a session runs on the lent GPU, phase by phase, in one call:
 #   scripts/gpu_call.sh env train-tests demo study:formats study:stiction ... report
+#   scripts/gpu_call.sh env pair-tests bench:quantize sweep    then    bench:linear model-pair
 # Every run directory lands under results/ (tracked: a later call skips the runs already there);
 # $OUT/results.tgz brings back receipts, metrics, reports and plots (never checkpoints).
 # BUDGET (seconds, default 540) bounds the study phases so that the report and tar still run.
@@ -42,6 +43,12 @@ for phase in "$@"; do
          done
          python3 -m fp4lab report results/gpt-d12/bf16 results/gpt-d12/nvfp4 --out results/gpt-d12 --title "d12 GPT" ;;
     kernel-tests) python3 -m pytest tests/kernels tests/nn -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest_kernels_nn_gpu.log" | tail -3 ;;
+    pair-tests) # the pair kernel (a linear's two copies from one read) and GraphedStep's autocast, on CUDA
+         python3 -m pytest tests/kernels/test_quantize.py -k pair tests/nn/test_linear.py tests/train/test_graphed.py \
+           -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest_pair_cuda.log" | tail -3 ;;
+    model-pair) # d12 graphed and compiled+graphed, with and without the pair, in the same rounds
+         timeout "$(left)" python3 benchmarks/bench_model.py --arms bf16 nvfp4 nvfp4:single \
+           --modes graphed compiled_graphed 2>&1 | tee "$OUT/bench_model_pair.log" | tail -8 ;;
     model) timeout "$(left)" python3 benchmarks/bench_model.py --arms bf16 nvfp4 mxfp4 2>&1 | tee "$OUT/bench_model.log" | tail -4
            timeout "$(left)" python3 benchmarks/bench_model.py --model moe64 --batch 8 --seq 1024 --arms bf16 nvfp4 \
              --steps 10 2>&1 | tee "$OUT/bench_model_moe64.log" | tail -3 ;;
