@@ -15,6 +15,8 @@ against graphed BF16, and ``compiled_graphed`` the compiled one. An arm ``NAME:s
 with x and dy quantized one copy at a time (no pair kernel), timed beside NAME.
 Writes benchmarks/results/model.json (d12; other models model_<name>.json) and the matching keys
 of latest.json: <name>_<arm>_step_over_bf16 (eager), <name>_<arm>_step_over_bf16_compiled (and _graphed).
+Each row also has the arm's peak memory while it was built and warmed (weights, optimizer state,
+activations or a graph's pool), e.g. to see what the pair kernel's kept wgrad copy of x costs.
 """
 
 from __future__ import annotations
@@ -107,9 +109,15 @@ def main() -> None:
     args = parser.parse_args()
     tokens = args.batch * args.seq
     keys = [(arm, mode) for mode in args.modes for arm in args.arms]
-    steps = {key: make_step(*key, args) for key in keys}
-    for step in steps.values():  # warmed once (compiling included)
-        timed_median(step, 0, args.warmup)
+    steps, peak_mib = {}, {}
+    for key in keys:  # built and warmed once (compiling, capturing included), one at a time
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        steps[key] = make_step(*key, args)
+        timed_median(steps[key], 0, args.warmup)
+        # what this arm holds at its peak: weights, optimizer state, activations (a graph's pool)
+        peak_mib[key] = (torch.cuda.max_memory_allocated() - before) / 2**20
     medians: dict[tuple, list[float]] = {key: [] for key in keys}
     for r in range(args.rounds):  # the arms alternate, so a slow spell of the host hits them all
         for key in keys:
@@ -121,10 +129,12 @@ def main() -> None:
         ratios = [m / b for m, b in zip(medians[arm, mode], base)] if base else None
         row = rows[f"{arm}/{mode}"] = {
             "arm": arm, "mode": mode, "step_ms": ms, "round_ms": medians[arm, mode],
-            "tokens_per_s": tokens / ms * 1e3, "over_bf16": statistics.median(ratios) if ratios else None,
+            "tokens_per_s": tokens / ms * 1e3, "peak_mib": peak_mib[arm, mode],
+            "over_bf16": statistics.median(ratios) if ratios else None,
             "over_bf16_range": [min(ratios), max(ratios)] if ratios else None}
         spread = f" (rounds {min(ratios):.2f}-{max(ratios):.2f})" if ratios and arm != "bf16" else ""
         print(f"{args.model} {arm:12s} {mode:8s} {ms:8.1f} ms/step  {row['tokens_per_s']:9.0f} tok/s  "
+              f"peak {row['peak_mib']:7.0f} MiB  "
               f"x{row['over_bf16'] or 1:.2f} of bf16 {mode}{spread}", flush=True)
     payload = {**environment(), "model": args.model, "batch": args.batch, "seq": args.seq, "rounds": args.rounds,
                "steps_per_round": args.steps, "arms": rows}
