@@ -200,6 +200,14 @@ def _hadamard(x, seed, RULE: tl.constexpr, ROUND_BF16: tl.constexpr, BR: tl.cons
 
 
 @triton.jit
+def _finite_max_bits(x):
+    """x: [BR, NB, N] fp32 -> int32 bits of its largest finite |x| (0 if none): the tile's share
+    of a tensor amax, folded in with an atomic max (non-negative floats order like their bits)."""
+    bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    return tl.max(tl.max(tl.max(tl.where(bits < 0x7F800000, bits, 0), axis=2), axis=1), axis=0)
+
+
+@triton.jit
 def _te_candidate(bamax, mult, s_dec):
     """NVFP4 te block scale bytes and element scales for a block multiplier."""
     sbyte = e4m3_rtne(tl.minimum(bamax * mult, 448.0))
@@ -309,9 +317,7 @@ def _fp4_quantize_kernel(x_ptr, codes_ptr, scales_ptr, amax_ptr, s_dec_ptr, seed
     if HADAMARD != NO_ROTATION:
         x = _hadamard(x, h_seed, HADAMARD, BF16_BITS, BR, NB, BLOCK)
     if AMAX_ONLY:  # the first pass of a rotated quantize: the rotated tensor's finite amax
-        bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-        tile_max = tl.max(tl.max(tl.max(tl.where(bits < 0x7F800000, bits, 0), axis=2), axis=1), axis=0)
-        tl.atomic_max(amax_at, tile_max)  # (never asked of row groups)
+        tl.atomic_max(amax_at, _finite_max_bits(x))  # (never asked of row groups)
         return
 
     _quantize_tile(x, rows, local, col_base, group, amax_at, seed_of, lp_of, codes_ptr, scales_ptr, s_dec_ptr,
@@ -432,11 +438,8 @@ def _fp4_pair_kernel(x_ptr, rows_ptr, cols_ptr, amax_ptr, s_dec_ptr, seed_r, see
     if HADAMARD_C != NO_ROTATION:
         xc = _hadamard(xc, h_seed_c, HADAMARD_C, BF16_BITS, BK, BM // BLOCK, BLOCK)
     if AMAX_ONLY:  # both tensor amaxes (finite values only) in one read
-        bits_r = xr.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-        bits_c = xc.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-        tl.atomic_max(amax_ptr, tl.max(tl.max(tl.max(tl.where(bits_r < 0x7F800000, bits_r, 0), axis=2), axis=1), axis=0))
-        tl.atomic_max(amax_ptr + 1, tl.max(tl.max(tl.max(tl.where(bits_c < 0x7F800000, bits_c, 0), axis=2), axis=1),
-                                           axis=0))
+        tl.atomic_max(amax_ptr, _finite_max_bits(xr))
+        tl.atomic_max(amax_ptr + 1, _finite_max_bits(xc))
     else:
         _quantize_tile(xr, rows, rows, pid_k * (BK // 16), 0, amax_ptr, seed_r, K, rows_ptr, rows_ptr, s_dec_ptr,
                        M, M, K, pid_m, pid_k, RULE_R, BLOCK, 1, STOCHASTIC_R, True, NO_GROUPS, BM, BK)
@@ -662,18 +665,17 @@ def block_values_pair(x: torch.Tensor, fmt: Format, *, rows: dict, columns: dict
     if refusal:
         raise ValueError(f"block_values_pair: {refusal}")
     size = 16 if fmt is Format.NVFP4 else MX_BLOCK
-    rules, stochastic = [], []
-    for kw in (rows, columns):
-        rules.append(NV_RULES[NVFP4Profile.parse(kw.get("profile", NVFP4Profile.TE))] if fmt is Format.NVFP4
-                     else MX_RULES[MXScaleMode.parse(kw.get("mode", MXScaleMode.FLOOR))])
-        stochastic.append(Rounding.parse(kw.get("rounding", Rounding.RTNE)) is Rounding.STOCHASTIC)
+    rules = [NV_RULES[NVFP4Profile.parse(kw.get("profile", NVFP4Profile.TE))] if fmt is Format.NVFP4
+             else MX_RULES[MXScaleMode.parse(kw.get("mode", MXScaleMode.FLOOR))] for kw in (rows, columns)]
+    roundings = [Rounding.parse(kw.get("rounding", Rounding.RTNE)) for kw in (rows, columns)]
+    stochastic = [r is Rounding.STOCHASTIC for r in roundings]
     signs = columns.get("hadamard")
     signs = None if signs is None else HadamardSigns.parse(signs)
     # seeds resolved in the two calls' order (rows; then the columns' rotation, then their rounding),
     # so a generator or None draws what the two calls would draw
-    seed_r = _seed(Rounding.parse(rows.get("rounding", Rounding.RTNE)), rows.get("seed"))
+    seed_r = _seed(roundings[0], rows.get("seed"))
     h_seed = _kernel_seed(columns.get("hadamard_seed")) if signs is HadamardSigns.RANDOM else 0
-    seeds = (seed_r, _seed(Rounding.parse(columns.get("rounding", Rounding.RTNE)), columns.get("seed")))
+    seeds = (seed_r, _seed(roundings[1], columns.get("seed")))
     rotation = NO_ROTATION.value if signs is None else HADAMARD_RULES[signs]
     x = x.contiguous()
     m, k = x.shape

@@ -235,8 +235,8 @@ def _identities(receipt: Receipt, cfg: TrainConfig) -> tuple[dict, dict]:
 
 def _same_config(receipt: Receipt, cfg: TrainConfig) -> bool:
     """Made with cfg's settings: the same recipe name and overrides, or another arm's run of the
-    same arithmetic (fidelity's nvfp4 serves as nvidia-ablation's full, mxfp4 as gemm-progression's
-    fprop_dgrad_wgrad), the other settings equal."""
+    same arithmetic (fidelity's mxfp4_hadamard serves as wgrad-interventions' det_hadamard,
+    gap-closers' late_bf16_all as nvidia-ablation's bf16_late), the other settings equal."""
     ran, wanted = _identities(receipt, cfg)
     if ran == wanted:
         return True
@@ -390,9 +390,8 @@ def load_study(study: Study, out: Path) -> dict[str, dict[int, Receipt]]:
         for receipt in found.get(arm.name, {}).values():
             ran = (receipt.config["recipe"],
                    {k: v for k, v in receipt.config["recipe_overrides"].items() if k != "seed"})
-            arithmetic = recipe_of(TrainConfig(recipe=arm.recipe,
-                                               recipe_overrides={**arm.recipe_overrides, "seed": receipt.seed}))
-            if ran != (arm.recipe, arm.recipe_overrides) and not _trains_as(receipt, arithmetic):
+            if ran != (arm.recipe, arm.recipe_overrides) and not _trains_as(receipt, recipe_of(TrainConfig(
+                    recipe=arm.recipe, recipe_overrides={**arm.recipe_overrides, "seed": receipt.seed}))):
                 raise ValueError(f"{out}: {receipt.name} ran recipe {ran[0]} with {ran[1]}, but arm {arm.name} "
                                  f"is {arm.recipe} with {arm.recipe_overrides} (a run of an older definition?)")
     shared = {}
