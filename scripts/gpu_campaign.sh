@@ -22,6 +22,8 @@
 #                           (the GPU scales graph every dense run that allows it: 2x a d6 run's tokens/s).
 #                           Output: runs/gpu/NAME at gpu-medium, NAME-X at gpu-X (e.g.
 #                           fidelity-stable), as results/ names them, so a scale never overwrites another's
+#                           ($STUDY_DIR names another folder under runs/gpu, for every study phase of
+#                           that campaign)
 #   parallel:RECIPES:MODES  d6 at gpu-medium's settings, seed 0, under torchrun on every visible GPU, one
 #                           run per recipe x mode (ddp, fsdp), all at once -> runs/gpu/ddp/ (issue 18:
 #                           the same global batch as the 1-GPU fidelity runs, so seed 0 pairs with them)
@@ -106,6 +108,7 @@ run_phases() {
       study:*) IFS=: read -r _ name arms <<< "${phase%@*}"
                jobs=${JOBS:-6}; [[ $phase == *@* ]] && jobs=${phase##*@}
                scale=${SCALE:-gpu-medium}; dir=$name; [ "$scale" = gpu-medium ] || dir=$name-${scale#gpu-}
+               dir=${STUDY_DIR:-$dir}  # a campaign of its own may write elsewhere (e.g. a rerun's FP4-forward score)
                python3 -m fp4lab study "$name" --scale "$scale" --jobs "$jobs" --out "$ROOT/$dir" \
                  ${arms:+--arms ${arms//,/ }} ${SETS:+$(printf -- '--set %s ' $SETS)} 2>&1 | quiet | grep --line-buffered -v "^|" ;;
       parallel:*) IFS=: read -r _ recipes modes <<< "$phase"; parallel "$recipes" "$modes" ;;

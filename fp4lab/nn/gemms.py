@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 import zlib
 from dataclasses import dataclass, field
 
@@ -138,7 +139,10 @@ class Call:
         (gemm, side) ``rows`` along K, and ``columns`` along the tokens (t zero-padded to a multiple
         of 32 rows, as wgrad pads): the bytes of the two Call.operand calls. None where the pair
         does not apply (statistics, dither, 16x16 blocks, a rotated rows copy, a rotation the
-        quantizer does not fuse, two formats) and the caller quantizes each on its own."""
+        quantizer does not fuse, two formats) and the caller quantizes each on its own; also None
+        under FP4LAB_PAIR=0, one copy at a time by choice (the same bytes: a fallback, not a recipe)."""
+        if os.environ.get("FP4LAB_PAIR", "1") == "0":
+            return None
         (gr, sr), (gc, sc) = rows, columns
         op_r, op_c = getattr(self.recipe.gemm(gr), sr), getattr(self.recipe.gemm(gc), sc)
         rotation = self.rotation(gc)

@@ -255,6 +255,26 @@ def test_triton_path_gives_the_reference_bytes(n, k, name, monkeypatch):
         _same(seen["triton"][key][2], q)
 
 
+def test_pair_off_quantizes_one_copy_at_a_time_to_the_same_bytes(monkeypatch):
+    """FP4LAB_PAIR=0 (the escape hatch should the pair kernel misbehave on some device): no pair,
+    every operand quantized on its own, the same bytes and gradients as with the pair."""
+    torch.manual_seed(5)
+    x, w, dy = torch.randn(32, 64), torch.randn(48, 64), torch.randn(32, 48)
+    runs = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("FP4LAB_PAIR", flag)
+        rec = _Recorder(monkeypatch)
+        xp, wp = x.clone().requires_grad_(), w.clone().requires_grad_()
+        fp4_linear(xp, wp, None, nvfp4(), name="l", context=QuantContext(tick=2)).backward(dy)
+        runs[flag] = (rec, xp.grad, wp.grad)
+        monkeypatch.undo()
+    assert runs["1"][0].pairs and not runs["0"][0].pairs
+    assert set(runs["1"][0].seen) == set(runs["0"][0].seen)
+    for key, (_, _, q) in runs["1"][0].seen.items():
+        _same(runs["0"][0].seen[key][2], q)
+    assert torch.equal(runs["1"][1], runs["0"][1]) and torch.equal(runs["1"][2], runs["0"][2])
+
+
 @pytest.mark.parametrize("name", ["nvfp4", "mxfp4", "mxfp4_hadamard", "nvfp4_dither"])
 def test_triton_path_multiplies_the_same_operands(name, monkeypatch):
     """On the Triton backend (the interpreter here) GEMM operands are quantized straight to
