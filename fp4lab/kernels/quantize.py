@@ -628,7 +628,9 @@ def _fused_rotation(x: torch.Tensor, axis: int, size: int, hadamard: str | Hadam
     return HADAMARD_RULES[signs], (_kernel_seed(hadamard_seed) if signs is HadamardSigns.RANDOM else 0)
 
 
-PAIR_TILE = (64, 64, 4)  # (BM, BK, warps) of block_values_pair; not yet swept on a GPU
+# (BM, BK, warps) of block_values_pair. Swept on an H100 (benchmarks/sweep_quantize.py, x 8192 x 4096
+# with RHT for wgrad): 64 x 32 with 4 warps 0.285 ms, the best of seven; 64 x 64 0.342 ms
+PAIR_TILE = (64, 32, 4)
 
 
 def pair_refusal(x: torch.Tensor, fmt: Format, rows: dict, columns: dict, columns_len: int) -> str | None:
