@@ -17,7 +17,7 @@ for phase in "$@"; do
   case $phase in
     env) nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv
          python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" ;;
-    train-tests) python3 -m pytest tests/train -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest_train_gpu.log" | tail -3 ;;
+    train-tests) python3 -m pytest tests/train -p no:cacheprovider 2>&1 | tee "$OUT/pytest_train_gpu.log" | tail -3 ;;
     demo) python3 -m fp4lab demo --out results/demo --device gpu 2>&1 | quiet | tee "$OUT/demo.log" ;;
     study:*) name=${phase#study:}
          [ "$(left)" -gt 30 ] || { echo "skipped: out of time"; continue; }
@@ -42,10 +42,12 @@ for phase in "$@"; do
              --set progress=false --out "results/gpt-d12/$recipe" | tail -1
          done
          python3 -m fp4lab report results/gpt-d12/bf16 results/gpt-d12/nvfp4 --out results/gpt-d12 --title "d12 GPT" ;;
-    kernel-tests) python3 -m pytest tests/kernels tests/nn -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest_kernels_nn_gpu.log" | tail -3 ;;
+    kernel-tests) python3 -m pytest tests/kernels tests/nn -p no:cacheprovider 2>&1 | tee "$OUT/pytest_kernels_nn_gpu.log" | tail -3 ;;
     pair-tests) # the pair kernel (a linear's two copies from one read) and GraphedStep's autocast, on CUDA
-         python3 -m pytest tests/kernels/test_quantize.py -k pair tests/nn/test_linear.py tests/train/test_graphed.py \
-           -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest_pair_cuda.log" | tail -3 ;;
+         # (-k would filter every listed file: the pair's kernel tests by name, the layer and capture whole)
+         { python3 -m pytest tests/kernels/test_quantize.py -k pair -p no:cacheprovider
+           python3 -m pytest tests/nn/test_linear.py tests/train/test_graphed.py -p no:cacheprovider; } 2>&1 \
+           | tee "$OUT/pytest_pair_cuda.log" | grep -E "passed|failed|error" ;;
     model-pair) # d12 graphed and compiled+graphed, with and without the pair, in the same rounds
          timeout "$(left)" python3 benchmarks/bench_model.py --arms bf16 nvfp4 nvfp4:single \
            --modes graphed compiled_graphed 2>&1 | tee "$OUT/bench_model_pair.log" | tail -8 ;;

@@ -15,7 +15,7 @@
 #                           as TO's arm NEW (e.g. nvfp4=full: the runner keeps it only if it trained NEW's arithmetic)
 #   study:NAME[:ARM,ARM][@N]
 #                           fp4lab study NAME at $SCALE (default gpu-medium), N runs at once (default
-#                           $JOBS, else 6); finished runs are skipped, stopped ones resume from their
+#                           $JOBS, else 3: graphed d6 runs hold ~20 GB each); finished runs are skipped, stopped ones resume from their
 #                           checkpoint, and runs that ran out of memory beside others are retried with
 #                           fewer at once; $SETS (space-separated KEY=VALUE) adds --set values that do not
 #                           change a run's identity, e.g. SETS=deterministic=true, or SETS=cuda_graph=false
@@ -106,7 +106,7 @@ run_phases() {
                   && copy_receipts "$d" "$d"; done ;;
       reuse:*) IFS=: read -r _ from to arms <<< "$phase"; copy_receipts "$from" "$to" "$arms" ;;
       study:*) IFS=: read -r _ name arms <<< "${phase%@*}"
-               jobs=${JOBS:-6}; [[ $phase == *@* ]] && jobs=${phase##*@}
+               jobs=${JOBS:-3}; [[ $phase == *@* ]] && jobs=${phase##*@}
                scale=${SCALE:-gpu-medium}; dir=$name; [ "$scale" = gpu-medium ] || dir=$name-${scale#gpu-}
                dir=${STUDY_DIR:-$dir}  # a campaign of its own may write elsewhere (e.g. a rerun's FP4-forward score)
                python3 -m fp4lab study "$name" --scale "$scale" --jobs "$jobs" --out "$ROOT/$dir" \

@@ -75,13 +75,15 @@ SCALES = {s.name: s for s in (
           moe={**_D6_STABLE, "model": "moe64", "steps": 500, "lr": 1e-3, "warmup": 100, "eval_every": 125},
           # measured on an H100: eager, one NVFP4 d6 run alone trains its 100M tokens in 2.9 minutes,
           # four sharing the card took 11.7 minutes; six d12 runs (64 x 1024), three at a time, took
-          # 25 minutes in all. Graphed (the default here for dense runs), six d6 runs at once took
-          # 6.2 minutes (61 GB of the card's 80). MoE, estimated (not yet a campaign): bench_model on
+          # 25 minutes in all. Graphed (the default here for dense runs), six NVFP4-family d6 runs
+          # took 18 minutes in a campaign (a5f518c: 20-22 GB each, so about three at once; 439-529 s
+          # a run): 3 minutes of card time a run, about what the eager run alone took, so sharing
+          # the card buys little at this size. MoE, estimated (not yet a campaign): bench_model on
           # an H100 (0dce05a) gave moe64 at 8 x 1024 tokens 57 ms a BF16 step and 303 ms an NVFP4 one
           # (its GPU busy ~74 ms); a step here holds 8x the tokens, so both are GPU-bound: ~0.45 s
           # BF16, ~0.6 s NVFP4, 4-5 minutes for 500 steps
-          seeds=(0, 1, 2), where="one H100, 6 dense runs at once",
-          minutes_per_run={"dense": 1.1, "deep": 4.5, "moe": 5.0}, graph=True),
+          seeds=(0, 1, 2), where="one H100, 3 dense runs at once",
+          minutes_per_run={"dense": 3.0, "deep": 4.5, "moe": 5.0}, graph=True),
 )}
 
 

@@ -30,7 +30,9 @@ import dataclasses
 import json
 import math
 import multiprocessing
+import re
 import statistics
+import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -311,6 +313,30 @@ def _out_of_memory(line: str) -> bool:
     return ": FAILED (" in line and any(sign in line for sign in _NO_MEMORY)
 
 
+def _crowded_by_others(line: str) -> bool:
+    """Out of memory while other processes held the card: torch's message names them ("Process
+    1964 has 19.77 GiB memory in use"), e.g. another study's runs started on the same GPU."""
+    return _out_of_memory(line) and re.search(r"Process \d+ has [\d.]+ [KMGT]iB memory in use", line) is not None
+
+
+# a run that met other processes' memory waits for them, this long between tries, this many times
+CROWD_WAIT_S, CROWD_TRIES = 60.0, 20
+
+
+def _run_alone(cfg: TrainConfig, note: Callable[[str], None]) -> str:
+    """One run, the only one this runner has going. Out of memory beside another process's runs
+    (which this runner cannot make fewer), it waits for them and tries again: a run is lost only
+    when the card stays full for CROWD_TRIES x CROWD_WAIT_S, or when it runs out of memory alone."""
+    line = _run_one(cfg)
+    for _ in range(CROWD_TRIES):
+        if not _crowded_by_others(line):
+            break
+        note(f"{cfg.out}: out of memory beside other processes' runs; trying again in {CROWD_WAIT_S:.0f} s")
+        time.sleep(CROWD_WAIT_S)
+        line = _run_one(cfg)
+    return line
+
+
 def _run_pooled(todo: list[TrainConfig], jobs: int, done: Callable[[str], None],
                 note: Callable[[str], None]) -> list[TrainConfig]:
     """Train ``todo``, ``jobs`` at once, each in its own process (it exits with its run and hands
@@ -339,7 +365,8 @@ def run_study(study: Study, scale: Scale, out: Path, *, seeds: tuple[int, ...] |
               **changes: Any) -> list[TrainConfig]:
     """Train every missing (arm, seed) run -> the configs asked for. A run that fails is reported
     (a FAILED line) and the others go on; runs that ran out of memory beside others get further
-    rounds with half as many at once; raises RuntimeError at the end naming the failures.
+    rounds with half as many at once, and one at a time, a run crowded out by another process's
+    runs waits for them (_run_alone); raises RuntimeError at the end naming the failures.
     A finished run of other settings in a run's folder is refused (ValueError) unless ``replace``."""
     configs = arm_configs(study, scale, out, seeds=seeds, arms=arms, **changes)
     finished = {c.out: _finished(c) for c in configs}  # each receipt read once
@@ -364,7 +391,7 @@ def run_study(study: Study, scale: Scale, out: Path, *, seeds: tuple[int, ...] |
             # the same crowd: each round halves the runs at once, down to one at a time
         else:
             for cfg in pending:
-                done(_run_one(cfg))
+                done(_run_alone(cfg, bar.write))
             pending = []
     bar.close()
     if failed:

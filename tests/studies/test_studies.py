@@ -323,6 +323,36 @@ def test_runs_out_of_memory_beside_others_are_retried_with_fewer_at_once(tmp_pat
     assert [out for out, _ in calls].count(str(tmp_path / "nvfp4-seed0")) == 1  # not retried
 
 
+def test_a_run_crowded_out_by_other_processes_waits_and_tries_again(tmp_path, monkeypatch):
+    # one at a time, a run that meets another process's runs on the card (another study, another
+    # campaign) cannot be helped by fewer at once: it waits for them; out of memory alone, it fails
+    from fp4lab.studies import study as study_module
+    crowd = ("FAILED (OutOfMemoryError: CUDA out of memory. Tried to allocate 48.00 MiB. Including non-PyTorch "
+             "memory, this process has 15.84 GiB memory in use. Process 1964 has 19.77 GiB memory in use.)")
+    alone = "FAILED (OutOfMemoryError: CUDA out of memory. Tried to allocate 90.00 GiB. this process has 1.00 GiB memory in use.)"
+    tries, sleeps = {}, []
+
+    def fake_run(cfg):
+        n = tries[cfg.out] = tries.get(cfg.out, 0) + 1
+        if cfg.out.endswith("/bf16-seed0"):
+            return f"{cfg.out}: {crowd}" if n <= 2 else f"{cfg.out}: ok, final val 1.0"
+        if cfg.out.endswith("/nvfp4-seed0"):
+            return f"{cfg.out}: {alone}"
+        return f"{cfg.out}: ok, final val 1.0"
+    monkeypatch.setattr(study_module, "_run_one", fake_run)
+    monkeypatch.setattr(study_module.time, "sleep", sleeps.append)
+    with pytest.raises(RuntimeError, match="1 of 5 runs failed") as failure:
+        run_study(STUDIES["fidelity"], SCALES["smoke"], tmp_path, jobs=1)
+    assert tries[str(tmp_path / "bf16-seed0")] == 3 and sleeps == [study_module.CROWD_WAIT_S] * 2
+    assert tries[str(tmp_path / "nvfp4-seed0")] == 1 and "nvfp4-seed0: FAILED (OutOfMemoryError" in str(failure.value)
+    # a card that stays full: the run is reported after CROWD_TRIES waits, not retried forever
+    monkeypatch.setattr(study_module, "_run_one", lambda cfg: f"{cfg.out}: {crowd}")
+    sleeps.clear()
+    cfg = arm_configs(STUDIES["fidelity"], SCALES["smoke"], tmp_path)[0]
+    assert study_module._crowded_by_others(study_module._run_alone(cfg, print))
+    assert len(sleeps) == study_module.CROWD_TRIES
+
+
 def test_a_run_whose_resume_fails_is_reported_not_raised(tmp_path, monkeypatch):
     from fp4lab.studies import study as study_module
     cfg = arm_configs(STUDIES["fidelity"], SCALES["smoke"], tmp_path)[0]
