@@ -45,17 +45,25 @@ def _mul_hi_lo(a: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return high, low
 
 
-def philox4x32(seed: int, counter: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """seed: int in [0, 2^64); counter: [...] int64 >= 0 -> four [...] int64 words in [0, 2^32)."""
-    if not 0 <= seed < 1 << 64:
+def philox4x32(seed: int | torch.Tensor, counter: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """seed: int in [0, 2^64), or a one-element int64 tensor on counter's device holding its bits
+    (a seed a CUDA graph reads at replay, nn.seeds); counter: [...] int64 >= 0 -> four [...] int64
+    words in [0, 2^32)."""
+    if isinstance(seed, torch.Tensor):
+        if seed.dtype != torch.int64 or seed.numel() != 1:
+            raise ValueError(f"a tensor seed must be one int64 element, got {seed.dtype} of {seed.numel()}")
+        seed = seed.reshape(())  # int64's two's complement bits: >> then & recovers the high word
+    elif not 0 <= seed < 1 << 64:
         raise ValueError(f"seed must be in [0, 2**64), got {seed}")
     zero = torch.zeros_like(counter)
     return philox_rounds((counter & _M32, (counter >> 32) & _M32, zero, zero),
                          (seed & _M32, (seed >> 32) & _M32))
 
 
-def philox_rounds(counter: tuple[torch.Tensor, ...], key: tuple[int, int]) -> tuple[torch.Tensor, ...]:
-    """The full Philox4x32-10 bijection: four int64 word tensors in [0, 2^32), a two-word key."""
+def philox_rounds(counter: tuple[torch.Tensor, ...], key: tuple[int, int] | tuple[torch.Tensor, torch.Tensor]
+                  ) -> tuple[torch.Tensor, ...]:
+    """The full Philox4x32-10 bijection: four int64 word tensors in [0, 2^32), a two-word key
+    (ints, or int64 tensors that broadcast against the counter)."""
     c0, c1, c2, c3 = counter
     k0, k1 = key
     for _ in range(PHILOX_ROUNDS):
@@ -67,8 +75,9 @@ def philox_rounds(counter: tuple[torch.Tensor, ...], key: tuple[int, int]) -> tu
     return c0, c1, c2, c3
 
 
-def random_bytes(seed: int, numel: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """seed, numel -> [numel] uint8: byte n is byte n % 16 of Philox(seed, n // 16)."""
+def random_bytes(seed: int | torch.Tensor, numel: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """seed, numel -> [numel] uint8: byte n is byte n % 16 of Philox(seed, n // 16) (a tensor
+    seed as philox4x32 takes it)."""
     groups = -(-numel // 16)
     counter = torch.arange(groups, dtype=torch.int64, device=device)
     words = torch.stack(philox4x32(seed, counter), dim=-1)  # [groups, 4]

@@ -16,7 +16,7 @@ fprop's block values transposed instead of quantizing W again (the same values, 
 dense layer's x (fprop's and wgrad's copies) and dy (dgrad's and wgrad's) each give both of their
 copies from one read where the kernel covers them (``Call.operand_pair``: the same bytes); x's
 wgrad copy is then kept for the backward in place of x. A dithered weight is dithered once per
-call and both GEMMs quantize it. For wgrad the token axis
+call and both GEMMs quantize it (its seed, like the others, from the SeedTable when there is one). For wgrad the token axis
 is zero-padded to a multiple of 32 (zero rows add nothing to dy^T x); each group's wgrad
 contracts over the group's own rows.
 
@@ -160,10 +160,10 @@ class Call:
         spec = self.recipe.fprop.b
         if not spec.dither:
             return weight
-        if capturing():
-            raise RuntimeError("dither draws its noise from an int seed: a captured graph would repeat one step's "
-                               "noise at every replay")
-        return dither(weight, spec, derive_seed(self.root, GEMMS.index("fprop"), ord("d")))
+        if capturing() and self.seeds is None:
+            raise RuntimeError("dither draws its noise from an int seed here: a captured graph would repeat one "
+                               "step's noise at every replay (give the QuantContext a SeedTable)")
+        return dither(weight, spec, self.seed("fprop", "d"))
 
     def dgrad_reuses_fprop_weight(self) -> bool:
         """fprop's and dgrad's weight operands are the same 16x16 RTNE tiles of the same tensor, so

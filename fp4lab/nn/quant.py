@@ -101,8 +101,9 @@ def rotation_for(spec: GemmSpec, root: int, step_seed: int | torch.Tensor) -> Ro
     return Rotation(HadamardSigns.RANDOM, spec.hadamard_size, seed)
 
 
-def dither(t: torch.Tensor, op: Operand, seed: int) -> torch.Tensor:
-    """t: [N, K] weight -> t + op.dither * unit * (u - 1/2) in t's dtype (see the module doc)."""
+def dither(t: torch.Tensor, op: Operand, seed: int | torch.Tensor) -> torch.Tensor:
+    """t: [N, K] weight -> t + op.dither * unit * (u - 1/2) in t's dtype (see the module doc); the
+    seed an int or its slot in a SeedTable (the same bits)."""
     q0 = _quantize(t, 1, op, seed=0, rotation=None, rtne=True)  # an FP4Tensor: its block scales
     unit = block_scales(q0).repeat_interleave(q0.block_len, dim=-1)[: t.shape[0], : t.shape[1]]
     if q0.tensor_scale is not None:

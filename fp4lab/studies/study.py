@@ -90,7 +90,7 @@ class Scale:
     """Rough minutes per run by model size where it is sized for: --list multiplies it out."""
     graph: bool = False
     """On a CUDA device, replay each run's steps from a CUDA graph where the run allows it
-    (train.run.graph_refusal: dense, no weight dither): the same steps at about twice a small
+    (train.run.graph_refusal: a dense model, one process): the same steps at about twice a small
     model's tokens/s. Not part of a run's identity, so graphed and eager runs pair and skip alike;
     ``--set cuda_graph=false`` keeps every run eager, ``--set cuda_graph=true`` graphs the runs
     that allow it at any scale."""
@@ -224,7 +224,7 @@ def arm_configs(study: Study, scale: Scale, out: Path, *, seeds: tuple[int, ...]
 
 def _graphable(cfg: TrainConfig) -> bool:
     moe = model_config(cfg.model, **cfg.model_overrides).moe is not None
-    return cfg.grad_accum == 1 and graph_refusal(recipe_of(cfg), moe=moe) is None
+    return cfg.grad_accum == 1 and graph_refusal(moe=moe) is None
 
 
 def _identities(receipt: Receipt, cfg: TrainConfig) -> tuple[dict, dict]:

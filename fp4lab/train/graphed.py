@@ -10,8 +10,8 @@ Python between them. What makes an FP4 step capturable:
   draws step t's bits (an int seed would be frozen into the graph at its capture value);
 - no host synchronization inside the step, and no int seed: an MoE block's routing reads its
   expert counts on the host and operand statistics read values back (CUDA refuses the sync at
-  capture); weight dither draws int seeds and refuses to run while a graph is captured (so do
-  the compiled custom ops of nn.ops without a table; with one they read it like the eager path);
+  capture); weight dither's seed is a slot too, and every seed drawn without a table refuses to
+  be captured (the compiled custom ops of nn.ops likewise; with one they read it like the eager path);
 - static tensors: the batch is copied into the graph's own input tensors, the optimizer is built
   with ``capturable=True`` (its step count and learning rate on the device), and gradients are
   set to None before capture, so each replay writes them afresh.
@@ -78,7 +78,7 @@ class GraphedStep:
         except RuntimeError as exc:
             raise RuntimeError("the training step could not be captured: it synchronizes with the host or "
                                "draws a seed a graph would freeze (an MoE block's routing, operand statistics, "
-                               f"weight dither, a compiled model): {exc}") from exc
+                               f"a seed without a SeedTable, a compiled model): {exc}") from exc
 
     def _body(self) -> torch.Tensor:
         for opt in self.optimizers:

@@ -115,15 +115,12 @@ def recipe_of(cfg: TrainConfig) -> Recipe:
         raise ValueError(f"recipe {cfg.recipe!r} with {cfg.recipe_overrides}: {err}") from err
 
 
-def graph_refusal(recipe: Recipe, *, moe: bool, device_type: str = "cuda", world: int = 1) -> str | None:
+def graph_refusal(*, moe: bool, device_type: str = "cuda", world: int = 1) -> str | None:
     """Why a run cannot replay its steps from a CUDA graph (train.graphed), or None when it can:
-    a CUDA device, one process, no MoE block (routing reads its counts on the host), no weight
-    dither (int seeds a graph would freeze)."""
+    a CUDA device, one process, no MoE block (routing reads its counts on the host)."""
     return ("it needs a CUDA device" if device_type != "cuda" else
             "one process only (DDP's collectives are not captured)" if world > 1 else
-            "MoE routing reads its expert counts on the host" if moe else
-            "weight dither draws int seeds that a graph would freeze" if recipe.fprop.b.dither or recipe.dgrad.b.dither
-            else None)
+            "MoE routing reads its expert counts on the host" if moe else None)
 
 
 def setup(cfg: TrainConfig) -> Run:
@@ -159,7 +156,7 @@ def setup(cfg: TrainConfig) -> Run:
     optimizers = build_optimizers(model, lr=cfg.lr, weight_decay=cfg.weight_decay, dense=cfg.dense_opt,
                                   expert=cfg.expert_opt, muon_lr=cfg.muon_lr, embed_lr=cfg.embed_lr)
     if cfg.cuda_graph:  # what a graph cannot replay is refused before training starts
-        why = graph_refusal(recipe, moe=bool(model.moe_layers()), device_type=device.type, world=world)
+        why = graph_refusal(moe=bool(model.moe_layers()), device_type=device.type, world=world)
         if why:
             raise ValueError(f"training setting cuda_graph=true: {why}")
     if cfg.compile:

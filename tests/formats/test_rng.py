@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 from fp4lab.formats.rng import philox4x32, philox_rounds, random_bytes
 
@@ -45,3 +46,18 @@ def test_random_bytes_are_seeded_and_prefix_stable():
 def test_seed_range(seed):
     with pytest.raises(ValueError, match="seed"):
         random_bytes(seed, 4)
+
+
+@given(st.integers(0, 2**64 - 1), st.integers(1, 80))
+@settings(max_examples=60, deadline=None)
+def test_a_tensor_seed_gives_the_int_seeds_bytes(seed, numel):
+    # a seed a CUDA graph reads at replay (nn.seeds): one int64 element holding the seed's 64 bits
+    # (two's complement above 2^63)
+    held = torch.tensor([seed - (1 << 64) if seed >= 1 << 63 else seed], dtype=torch.int64)
+    assert torch.equal(random_bytes(held, numel), random_bytes(seed, numel))
+
+
+@pytest.mark.parametrize("bad", [torch.tensor([1, 2]), torch.tensor([1], dtype=torch.int32)])
+def test_a_tensor_seed_is_one_int64(bad):
+    with pytest.raises(ValueError, match="one int64 element"):
+        random_bytes(bad, 4)

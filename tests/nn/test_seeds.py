@@ -25,15 +25,17 @@ def _step(layer: FP4Linear, x: torch.Tensor, dy: torch.Tensor) -> list[torch.Ten
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("name", ["nvfp4", "mxfp4_sr_random"])
+@pytest.mark.parametrize("name", ["nvfp4", "mxfp4_sr_random", "nvfp4_dither"])
 def test_a_seed_table_gives_the_int_seeds_bits_at_every_tick(name, backend, monkeypatch):
     """NVIDIA's recipe (SR on the gradients, random Hadamard signs on wgrad, 16x16 weight tiles),
-    and MXFP4 with SR and random 32-point signs: with the table, every kernel reads its seeds from one device buffer that setting the tick
+    MXFP4 with SR and random 32-point signs, and NVIDIA's recipe with its weight dithered (the
+    dither's seed a slot too): with the table, every kernel reads its seeds from one device buffer that setting the tick
     refills; forward and both gradients equal the int-seed path's bit for bit at each tick, and
     the ticks differ (the slots were refilled, not frozen)."""
     monkeypatch.setenv("FP4LAB_BACKEND", backend)
     torch.manual_seed(0)
-    recipe = (preset("nvfp4").override({"keep_first": 0, "keep_last": 0}) if name == "nvfp4" else
+    dither = {"fprop.b.dither": 0.5, "dgrad.b.dither": 0.5} if name == "nvfp4_dither" else {}
+    recipe = (preset("nvfp4").override({"keep_first": 0, "keep_last": 0, **dither}) if name.startswith("nvfp4") else
               preset("mxfp4").override({"wgrad.hadamard": "random", "dgrad.a.rounding": "stochastic",
                                         "wgrad.a.rounding": "stochastic"}))
     plain, tabled = QuantContext(rank=1), QuantContext(rank=1, seeds=SeedTable(DEVICE, capacity=64))
@@ -51,6 +53,7 @@ def test_a_seed_table_gives_the_int_seeds_bits_at_every_tick(name, backend, monk
         results.append(want)
     assert not torch.equal(results[0][2], results[1][2]) and torch.equal(results[0][2], results[2][2])
     assert tabled.seeds.specs  # the kernels did draw from the table
+    assert (name == "nvfp4_dither") == any(spec[4] == ord("d") for spec in tabled.seeds.specs)  # the dither's slot
 
 
 def test_slots_hold_derive_seed_and_are_shared_per_spec():

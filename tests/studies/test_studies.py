@@ -117,14 +117,14 @@ def test_seeds_vary_init_data_and_rounding_together(tmp_path):
 
 
 def test_gpu_scales_graph_the_runs_a_graph_can_replay(tmp_path, monkeypatch):
-    """At the GPU scales, on a CUDA machine, every dense run without weight dither replays its
-    steps from a CUDA graph; dither arms and MoE studies stay eager, --set cuda_graph=false keeps
+    """At the GPU scales, on a CUDA machine, every dense run replays its steps from a CUDA graph
+    (weight dither included: its seed is a slot of the table); MoE studies stay eager, --set cuda_graph=false keeps
     all eager, the smoke scale never graphs, and graphing leaves a run's identity alone."""
     import torch
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     stiction = {c.out.split("/")[-1]: c.cuda_graph for c in arm_configs(STUDIES["stiction"], SCALES["gpu-stable"],
                                                                          tmp_path, seeds=(0,))}
-    assert stiction == {"bf16-seed0": True, "rtne-seed0": True, "dither-seed0": False, "sr-seed0": True}
+    assert stiction == {"bf16-seed0": True, "rtne-seed0": True, "dither-seed0": True, "sr-seed0": True}
     assert not any(c.cuda_graph for c in arm_configs(STUDIES["gains"], SCALES["gpu-stable"], tmp_path))
     assert all(c.cuda_graph for c in arm_configs(STUDIES["gap-closers"], SCALES["gpu-small"], tmp_path))
     assert not any(c.cuda_graph for c in arm_configs(STUDIES["gap-closers"], SCALES["gpu-stable"], tmp_path,

@@ -21,11 +21,15 @@ def test_cpu_inputs_are_refused():
                     (torch.zeros(2),))
 
 
+_DITHER = {"fprop.b.dither": 0.5, "dgrad.b.dither": 0.5}
+
+
 def _model(recipe: str):
     torch.manual_seed(0)
     model = GPT(model_config("tiny", vocab_size=256, seq_len=64)).cuda()
-    context = quantize_model(model, preset(recipe).override({"keep_first": 0, "keep_last": 0})
-                             if recipe == "nvfp4" else preset(recipe))
+    context = quantize_model(model, preset("nvfp4").override(
+        {"keep_first": 0, "keep_last": 0, **(_DITHER if recipe == "nvfp4_dither" else {})})
+        if recipe.startswith("nvfp4") else preset(recipe))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True, capturable=True)
 
     def loss_fn(idx: torch.Tensor) -> torch.Tensor:
@@ -35,7 +39,7 @@ def _model(recipe: str):
 
 
 @cuda
-@pytest.mark.parametrize("recipe", ["nvfp4", "bf16"])
+@pytest.mark.parametrize("recipe", ["nvfp4", "bf16", "nvfp4_dither"])
 def test_a_captured_step_replays_the_eager_steps_bit_for_bit(recipe):
     """Two identical models from the same seed. One steps eagerly with int seeds; the other warms
     up (ticks 0-2 on the example batch, eager) and then replays its captured step at ticks 3-7,
