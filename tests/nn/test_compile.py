@@ -18,10 +18,10 @@ from fp4lab.nn.recipe import nvfp4, preset
 from fp4lab.nn.seeds import SeedTable
 
 
-def _model(recipe: str):
+def _model(recipe: str, **overrides):
     torch.manual_seed(0)
     model = GPT(model_config("tiny", vocab_size=128, seq_len=64))
-    quantize_model(model, preset(recipe))
+    quantize_model(model, preset(recipe).override(overrides) if overrides else preset(recipe))
     return model
 
 
@@ -157,12 +157,14 @@ def test_a_compiled_moe_model_compiles_no_more_frames_when_deeper():
 
 
 @torch._dynamo.config.patch(error_on_recompile=True)
-def test_a_compiled_model_reads_its_seeds_from_a_table_with_the_eager_bits():
+@pytest.mark.parametrize("dither", [0.0, 0.5])
+def test_a_compiled_model_reads_its_seeds_from_a_table_with_the_eager_bits(dither):
     """With a SeedTable on the context the custom ops build their calls on it (the table's index is
     an op argument), so a CUDA graph around the compiled step would draw each step's seeds; the
-    bits are the eager int seeds', tick after tick, from one compilation."""
+    bits are the eager int seeds', tick after tick, from one compilation. The weight's dither
+    seed too, where the recipe dithers."""
     torch._dynamo.reset()
-    model = _model("nvfp4")
+    model = _model("nvfp4", **({"fprop.b.dither": dither, "dgrad.b.dither": dither} if dither else {}))
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
     table = SeedTable("cpu", capacity=256)
     for tick in (2, 3):
@@ -172,3 +174,4 @@ def test_a_compiled_model_reads_its_seeds_from_a_table_with_the_eager_bits():
         got = _loss_and_grads(model, compiled, tick)
         assert torch.equal(got[0], want[0]) and all(torch.equal(got[1][n], want[1][n]) for n in want[1])
     assert table.specs  # the ops drew from the table
+    assert bool(dither) == any(spec[4] == ord("d") for spec in table.specs)
