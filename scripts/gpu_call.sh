@@ -47,7 +47,7 @@ for phase in "$@"; do
          # (-k would filter every listed file: the pair's kernel tests by name, the layer and capture whole)
          { python3 -m pytest tests/kernels/test_quantize.py -k pair -p no:cacheprovider
            python3 -m pytest tests/nn/test_linear.py tests/train/test_graphed.py -p no:cacheprovider; } 2>&1 \
-           | tee "$OUT/pytest_pair_cuda.log" | grep -E "passed|failed|error" ;;
+           | tee "$OUT/pytest_pair_cuda.log" | grep -E "passed|failed|FAILED|error" ;;
     model-pair) # d12 graphed and compiled+graphed, with and without the pair, in the same rounds
          timeout "$(left)" python3 benchmarks/bench_model.py --arms bf16 nvfp4 nvfp4:single \
            --modes graphed compiled_graphed 2>&1 | tee "$OUT/bench_model_pair.log" | tail -8 ;;

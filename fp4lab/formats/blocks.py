@@ -109,12 +109,21 @@ def check_seed_tensor(seed: torch.Tensor) -> torch.Tensor:
     return seed
 
 
-def stochastic_bytes(rounding: Rounding, seed: int | torch.Generator | None,
+def seed_key(seed: int | torch.Generator | torch.Tensor | None, device: torch.device | str) -> int | torch.Tensor:
+    """The key random_bytes draws from: a seed tensor as it is, on ``device`` (never read on the
+    host, so a CUDA graph captures the draw and replays it with the slot's later values), anything
+    else resolve_seed's int."""
+    if isinstance(seed, torch.Tensor):
+        return check_seed_tensor(seed).to(device)
+    return resolve_seed(seed)
+
+
+def stochastic_bytes(rounding: Rounding, seed: int | torch.Generator | torch.Tensor | None,
                      xm: torch.Tensor) -> torch.Tensor | None:
     """Random bytes for stochastic rounding in the stored [*lead, Lp] layout (None for RTNE)."""
     if rounding is Rounding.RTNE:
         return None
-    return random_bytes(resolve_seed(seed), xm.numel(), xm.device).reshape(xm.shape)
+    return random_bytes(seed_key(seed, xm.device), xm.numel(), xm.device).reshape(xm.shape)
 
 
 def restore(xm: torch.Tensor, shape: torch.Size, axis: int) -> torch.Tensor:

@@ -27,7 +27,7 @@ import math
 
 import torch
 
-from .blocks import resolve_seed
+from .blocks import seed_key
 from .rng import random_bytes
 from .types import Choice
 
@@ -45,8 +45,8 @@ class HadamardSigns(Choice):
 
 
 def hadamard_signs(size: int, signs: str | HadamardSigns = HadamardSigns.NONE,
-                   seed: int | torch.Generator | None = None) -> torch.Tensor:
-    """-> [size] float32 of +-1."""
+                   seed: int | torch.Generator | torch.Tensor | None = None) -> torch.Tensor:
+    """-> [size] float32 of +-1 (on a seed tensor's device, else the CPU)."""
     if size not in SIZES:
         raise ValueError(f"Hadamard size must be one of {SIZES}, got {size}")
     signs = HadamardSigns.parse(signs)
@@ -57,7 +57,8 @@ def hadamard_signs(size: int, signs: str | HadamardSigns = HadamardSigns.NONE,
             raise ValueError(f"TE's sign vector has {len(TE_SIGNS)} entries; size {size} needs "
                              "signs='none' or 'random'")
         return torch.tensor(TE_SIGNS, dtype=torch.float32)
-    bits = random_bytes(resolve_seed(seed), size).to(torch.float32)
+    device = seed.device if isinstance(seed, torch.Tensor) else "cpu"  # a device seed is drawn from where it lives
+    bits = random_bytes(seed_key(seed, device), size, device).to(torch.float32)
     return 1.0 - 2.0 * (bits % 2)
 
 

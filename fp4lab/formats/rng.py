@@ -75,9 +75,11 @@ def philox_rounds(counter: tuple[torch.Tensor, ...], key: tuple[int, int] | tupl
     return c0, c1, c2, c3
 
 
-def random_bytes(seed: int | torch.Tensor, numel: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """seed, numel -> [numel] uint8: byte n is byte n % 16 of Philox(seed, n // 16) (a tensor
-    seed as philox4x32 takes it)."""
+def random_bytes(seed: int | torch.Tensor, numel: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """seed, numel -> [numel] uint8 on ``device`` (default: a tensor seed's, else the CPU): byte n
+    is byte n % 16 of Philox(seed, n // 16) (a tensor seed as philox4x32 takes it)."""
+    if device is None:
+        device = seed.device if isinstance(seed, torch.Tensor) else "cpu"
     groups = -(-numel // 16)
     counter = torch.arange(groups, dtype=torch.int64, device=device)
     words = torch.stack(philox4x32(seed, counter), dim=-1)  # [groups, 4]

@@ -119,6 +119,10 @@ class Call:
         """derive_seed(root, gemm, side): an int, or its slot in the context's SeedTable."""
         if self.seeds is not None:
             return self.seeds.seed(self.recipe.seed, self.layer, self.rank, GEMMS.index(gemm), ord(side))
+        if capturing():
+            raise RuntimeError(f"{self.name or 'an FP4 layer'}: an int seed would be frozen into the CUDA graph "
+                               "being captured, repeating one step's random bits at every replay (give the "
+                               "QuantContext a SeedTable)")
         return derive_seed(self.root, GEMMS.index(gemm), ord(side))
 
     def rotation(self, gemm: str) -> Rotation | None:
@@ -141,7 +145,7 @@ class Call:
         does not apply (statistics, dither, 16x16 blocks, a rotated rows copy, a rotation the
         quantizer does not fuse, two formats) and the caller quantizes each on its own; also None
         under FP4LAB_PAIR=0, one copy at a time by choice (the same bytes: a fallback, not a recipe)."""
-        if os.environ.get("FP4LAB_PAIR", "1") == "0":
+        if os.environ.get("FP4LAB_PAIR", "1").lower() in ("0", "false", "off", "no"):
             return None
         (gr, sr), (gc, sc) = rows, columns
         op_r, op_c = getattr(self.recipe.gemm(gr), sr), getattr(self.recipe.gemm(gc), sc)
@@ -160,10 +164,7 @@ class Call:
         spec = self.recipe.fprop.b
         if not spec.dither:
             return weight
-        if capturing() and self.seeds is None:
-            raise RuntimeError("dither draws its noise from an int seed here: a captured graph would repeat one "
-                               "step's noise at every replay (give the QuantContext a SeedTable)")
-        return dither(weight, spec, self.seed("fprop", "d"))
+        return dither(weight, spec, self.seed("fprop", "d"))  # (Call.seed refuses an int seed under capture)
 
     def dgrad_reuses_fprop_weight(self) -> bool:
         """fprop's and dgrad's weight operands are the same 16x16 RTNE tiles of the same tensor, so

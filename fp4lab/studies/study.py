@@ -313,10 +313,21 @@ def _out_of_memory(line: str) -> bool:
     return ": FAILED (" in line and any(sign in line for sign in _NO_MEMORY)
 
 
+_BYTES = {"bytes": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+_SIZE = r"([\d.]+) (bytes|KiB|MiB|GiB)"  # torch's format_size
+
+
 def _crowded_by_others(line: str) -> bool:
-    """Out of memory while other processes held the card: torch's message names them ("Process
-    1964 has 19.77 GiB memory in use"), e.g. another study's runs started on the same GPU."""
-    return _out_of_memory(line) and re.search(r"Process \d+ has [\d.]+ [KMGT]iB memory in use", line) is not None
+    """Out of memory while other processes held at least what the run asked for: torch's message
+    names this process ("this process has ...") and each other one ("Process 1964 has 19.77 GiB
+    memory in use"), e.g. another study's runs on the same GPU. A message that cannot tell this
+    process from the others (a container whose process ids differ from the driver's) is not
+    counted as crowded: such a run fails as before instead of waiting."""
+    asked = re.search(r"Tried to allocate " + _SIZE, line)
+    if not (_out_of_memory(line) and asked and "this process has" in line):
+        return False
+    others = sum(float(n) * _BYTES[unit] for n, unit in re.findall(r"Process \d+ has " + _SIZE + " memory in use", line))
+    return others >= float(asked[1]) * _BYTES[asked[2]]
 
 
 # a run that met other processes' memory waits for them, this long between tries, this many times

@@ -71,3 +71,28 @@ def test_slots_hold_derive_seed_and_are_shared_per_spec():
         call.seed("wgrad", side)
     with pytest.raises(RuntimeError, match="full"):
         call.seed("dgrad", "a")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_step_on_a_seed_table_reads_no_seed_on_the_host(backend, monkeypatch):
+    """With a table, no seed of a step is read back to the host (what CUDA refuses while a graph
+    is captured): SR on the gradients, random signs on wgrad, the weight's dither, and a random
+    rotation on fprop, which a dithered weight takes unfused (drawn by formats.hadamard)."""
+    import fp4lab.formats.blocks as blocks
+    import fp4lab.kernels.quantize as triton_quantize
+    monkeypatch.setenv("FP4LAB_BACKEND", backend)
+    read = []
+    real = blocks.resolve_seed
+
+    def spy(seed):
+        read.append(isinstance(seed, torch.Tensor))
+        return real(seed)
+    monkeypatch.setattr(blocks, "resolve_seed", spy)
+    monkeypatch.setattr(triton_quantize, "resolve_seed", spy)
+    recipe = preset("nvfp4").override({"keep_first": 0, "keep_last": 0, "fprop.b.dither": 0.5,
+                                       "dgrad.b.dither": 0.5, "fprop.hadamard": "random"})
+    for seeds in (SeedTable(DEVICE, capacity=64), None):
+        read.clear()
+        layer = FP4Linear(64, 48, recipe=recipe, name="a", context=QuantContext(tick=2, seeds=seeds)).to(DEVICE)
+        _step(layer, torch.randn(32, 64, device=DEVICE), torch.randn(32, 48, device=DEVICE))
+        assert not any(read) if seeds is not None else read  # int seeds: resolved, and never tensors

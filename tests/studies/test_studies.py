@@ -345,6 +345,12 @@ def test_a_run_crowded_out_by_other_processes_waits_and_tries_again(tmp_path, mo
         run_study(STUDIES["fidelity"], SCALES["smoke"], tmp_path, jobs=1)
     assert tries[str(tmp_path / "bf16-seed0")] == 3 and sleeps == [study_module.CROWD_WAIT_S] * 2
     assert tries[str(tmp_path / "nvfp4-seed0")] == 1 and "nvfp4-seed0: FAILED (OutOfMemoryError" in str(failure.value)
+    # what torch's message must say for a wait: this process apart from others that hold at least
+    # the allocation asked for (another process's 300 MiB does not explain a 2 GiB request)
+    small = "FAILED (OutOfMemoryError: Tried to allocate 2.00 GiB. this process has 70.00 GiB memory in use. Process 7 has 300.00 MiB memory in use.)"
+    unnamed = "FAILED (OutOfMemoryError: Tried to allocate 48.00 MiB. Process 7 has 19.00 GiB memory in use.)"
+    assert study_module._crowded_by_others(f"x: {crowd}")
+    assert not study_module._crowded_by_others(f"x: {small}") and not study_module._crowded_by_others(f"x: {unnamed}")
     # a card that stays full: the run is reported after CROWD_TRIES waits, not retried forever
     monkeypatch.setattr(study_module, "_run_one", lambda cfg: f"{cfg.out}: {crowd}")
     sleeps.clear()
