@@ -11,7 +11,8 @@ OUT=${OUT:-/tmp/out}
 budget=${BUDGET:-540}
 start=$(date +%s)
 left() { echo $(( budget - ($(date +%s) - start) )); }
-quiet() { grep --line-buffered -v -E "it/s|s/it|step/s|s/step|file/s|run/s|s/run"; }
+quiet() {  # tqdm redraws with \r: split there first, so a line it writes between redraws survives
+  sed -u "s/\r/\n/g" | grep --line-buffered -v -E "it/s|s/it|step/s|s/step|file/s|run/s|s/run"; }
 for phase in "$@"; do
   echo "== $phase ($(left) s left)"
   case $phase in
