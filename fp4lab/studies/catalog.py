@@ -75,11 +75,10 @@ SCALES = {s.name: s for s in (
           moe={**_D6_STABLE, "model": "moe64", "steps": 500, "lr": 1e-3, "warmup": 100, "eval_every": 125},
           # measured on an H100: eager, one NVFP4 d6 run alone trains its 100M tokens in 2.9 minutes,
           # four sharing the card took 11.7 minutes; six d12 runs (64 x 1024), three at a time, took
-          # 25 minutes in all. Graphed (the default here for dense runs): at 0ca7414 six d6 runs at
-          # once ran at 285k tokens/s each (1 minute of card time a run); at a5f518c six NVFP4-family
-          # runs took 18 minutes, holding 20-22 GB each and so about three at once at 197-240k tokens/s
-          # (3 minutes a run). Priced at the later, slower figure until the difference is explained
-          # (NOTES, eighth session). MoE, estimated (not yet a campaign): bench_model on
+          # 25 minutes in all. Graphed (the default here for dense runs), six NVFP4-family d6 runs
+          # took 18 minutes in a campaign (a5f518c): each holds 20-22 GB (autograd saves ~18 GB a
+          # step here), so about three run at once, at 197-240k tokens/s: 3 minutes of card time a
+          # run (NOTES, eighth session). MoE, estimated (not yet a campaign): bench_model on
           # an H100 (0dce05a) gave moe64 at 8 x 1024 tokens 57 ms a BF16 step and 303 ms an NVFP4 one
           # (its GPU busy ~74 ms); a step here holds 8x the tokens, so both are GPU-bound: ~0.45 s
           # BF16, ~0.6 s NVFP4, 4-5 minutes for 500 steps
