@@ -76,7 +76,7 @@ SCALES = {s.name: s for s in (
           # measured on an H100: eager, one NVFP4 d6 run alone trains its 100M tokens in 2.9 minutes,
           # four sharing the card took 11.7 minutes; six d12 runs (64 x 1024), three at a time, took
           # 25 minutes in all. Graphed (the default here for dense runs), six NVFP4-family d6 runs
-          # took 18 minutes in a campaign (a5f518c): each holds 20-22 GB (autograd saves ~18 GB a
+          # took 18 minutes in a campaign (a5f518c): each holds 20-22 GB (autograd saves ~14 GB a
           # step here), so about three run at once, at 197-240k tokens/s: 3 minutes of card time a
           # run (NOTES, eighth session). MoE, estimated (not yet a campaign): bench_model on
           # an H100 (0dce05a) gave moe64 at 8 x 1024 tokens 57 ms a BF16 step and 303 ms an NVFP4 one
