@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .rng import random_bytes
+from .rng import check_seed_tensor, random_bytes
 from .types import Rounding
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -100,13 +100,6 @@ def resolve_seed(seed: int | torch.Generator | torch.Tensor | None) -> int:
         return seed
     device = seed.device if seed is not None else "cpu"
     return int(torch.randint(0, 2**62, (), generator=seed, dtype=torch.int64, device=device))
-
-
-def check_seed_tensor(seed: torch.Tensor) -> torch.Tensor:
-    """A device seed as given: one int64 element in [0, 2**63) (the last checked where it is read)."""
-    if seed.dtype != torch.int64 or seed.numel() != 1:
-        raise ValueError(f"a seed tensor holds one int64 element, got {seed.dtype} of shape {tuple(seed.shape)}")
-    return seed
 
 
 def seed_key(seed: int | torch.Generator | torch.Tensor | None, device: torch.device | str) -> int | torch.Tensor:

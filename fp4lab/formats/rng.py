@@ -18,7 +18,7 @@ So one Philox evaluation feeds 16 elements (one NVFP4 block, half an MXFP4 block
 the kernels memory-bound. The round function and constants are those of Salmon et al. (SC'11),
 as used by Triton's ``tl.randint``/``tl.philox`` and cuRAND.
 
-Public: ``philox4x32``, ``philox_rounds``, ``random_bytes``.
+Public: ``philox4x32``, ``philox_rounds``, ``random_bytes``, ``check_seed_tensor``.
 """
 
 from __future__ import annotations
@@ -45,14 +45,20 @@ def _mul_hi_lo(a: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return high, low
 
 
+def check_seed_tensor(seed: torch.Tensor) -> torch.Tensor:
+    """A device seed as given: one int64 element (nn.seeds keeps seeds in [0, 2**63); any int64's
+    bits are a valid key). Its value is not read here: that would be a host sync."""
+    if seed.dtype != torch.int64 or seed.numel() != 1:
+        raise ValueError(f"a seed tensor holds one int64 element, got {seed.dtype} of shape {tuple(seed.shape)}")
+    return seed
+
+
 def philox4x32(seed: int | torch.Tensor, counter: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """seed: int in [0, 2^64), or a one-element int64 tensor on counter's device holding its bits
     (a seed a CUDA graph reads at replay, nn.seeds); counter: [...] int64 >= 0 -> four [...] int64
     words in [0, 2^32)."""
     if isinstance(seed, torch.Tensor):
-        if seed.dtype != torch.int64 or seed.numel() != 1:
-            raise ValueError(f"a tensor seed must be one int64 element, got {seed.dtype} of {seed.numel()}")
-        seed = seed.reshape(())  # int64's two's complement bits: >> then & recovers the high word
+        seed = check_seed_tensor(seed).reshape(())  # int64's two's complement bits: >> then & recovers the high word
     elif not 0 <= seed < 1 << 64:
         raise ValueError(f"seed must be in [0, 2**64), got {seed}")
     zero = torch.zeros_like(counter)

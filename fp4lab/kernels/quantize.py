@@ -507,7 +507,7 @@ def _launch(x: torch.Tensor, axis: int, block: tuple[int, int], pad: bool, rule:
 
 def _kernel_seed(seed: int | torch.Generator | torch.Tensor | None) -> int | torch.Tensor:
     """A seed as the kernels take it: an int64 kernel argument, or a device seed (a one-element
-    int64 tensor, formats.blocks.check_seed_tensor) that the kernel reads at launch, so a launch
+    int64 tensor, formats.rng.check_seed_tensor) that the kernel reads at launch, so a launch
     captured in a CUDA graph draws whatever the tensor holds at each replay."""
     if isinstance(seed, torch.Tensor):
         return check_seed_tensor(seed)

@@ -59,5 +59,5 @@ def test_a_tensor_seed_gives_the_int_seeds_bytes(seed, numel):
 
 @pytest.mark.parametrize("bad", [torch.tensor([1, 2]), torch.tensor([1], dtype=torch.int32)])
 def test_a_tensor_seed_is_one_int64(bad):
-    with pytest.raises(ValueError, match="one int64 element"):
+    with pytest.raises(ValueError, match="holds one int64 element"):
         random_bytes(bad, 4)
