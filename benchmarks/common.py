@@ -25,19 +25,21 @@ def environment() -> dict:
 
 @contextlib.contextmanager
 def one_copy_at_a_time(active: bool = True):
-    """While active, fp4lab's FP4 layers quantize x and dy one copy at a time (nn.gemms.Call.operand_pair
-    declines): a step as it ran before the pair kernel, for a side-by-side timing. A captured graph
-    keeps the choice made at capture."""
+    """While active, fp4lab's FP4 layers quantize x and dy one copy at a time (FP4LAB_PAIR=0, the
+    library's own switch): a step as it ran before the pair kernel, for a side-by-side timing. A
+    captured graph keeps the choice made at capture."""
     if not active:
         yield
         return
-    from fp4lab.nn import gemms
-    real = gemms.Call.operand_pair
-    gemms.Call.operand_pair = lambda *args, **kwargs: None
+    before = os.environ.get("FP4LAB_PAIR")
+    os.environ["FP4LAB_PAIR"] = "0"
     try:
         yield
     finally:
-        gemms.Call.operand_pair = real
+        if before is None:
+            del os.environ["FP4LAB_PAIR"]
+        else:
+            os.environ["FP4LAB_PAIR"] = before
 
 
 def bench_ms(fn, warmup: int = 25, rep: int = 200) -> float:

@@ -102,12 +102,14 @@ def resolve_seed(seed: int | torch.Generator | torch.Tensor | None) -> int:
     return int(torch.randint(0, 2**62, (), generator=seed, dtype=torch.int64, device=device))
 
 
-def seed_key(seed: int | torch.Generator | torch.Tensor | None, device: torch.device | str) -> int | torch.Tensor:
-    """The key random_bytes draws from: a seed tensor as it is, on ``device`` (never read on the
-    host, so a CUDA graph captures the draw and replays it with the slot's later values), anything
-    else resolve_seed's int."""
+def seed_key(seed: int | torch.Generator | torch.Tensor | None,
+             device: torch.device | str | None = None) -> int | torch.Tensor:
+    """The key Philox draws from (random_bytes, the kernels): a seed tensor as it is, moved to
+    ``device`` if given (never read on the host, so a CUDA graph captures the draw and replays it
+    with the slot's later values), anything else resolve_seed's int."""
     if isinstance(seed, torch.Tensor):
-        return check_seed_tensor(seed).to(device)
+        check_seed_tensor(seed)
+        return seed if device is None else seed.to(device)
     return resolve_seed(seed)
 
 

@@ -57,8 +57,7 @@ def hadamard_signs(size: int, signs: str | HadamardSigns = HadamardSigns.NONE,
             raise ValueError(f"TE's sign vector has {len(TE_SIGNS)} entries; size {size} needs "
                              "signs='none' or 'random'")
         return torch.tensor(TE_SIGNS, dtype=torch.float32)
-    device = seed.device if isinstance(seed, torch.Tensor) else "cpu"  # a device seed is drawn from where it lives
-    bits = random_bytes(seed_key(seed, device), size, device).to(torch.float32)
+    bits = random_bytes(seed_key(seed), size).to(torch.float32)  # (a device seed drawn where it lives)
     return 1.0 - 2.0 * (bits % 2)
 
 

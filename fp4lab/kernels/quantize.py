@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..formats.blocks import check_input, check_seed_tensor, resolve_seed
+from ..formats.blocks import check_input, seed_key
 from ..formats.hadamard import TE_SIGNS, HadamardSigns
 from ..formats.mxfp4 import MX_BLOCK
 from ..formats.nvfp4 import _check_amax, _nvfp4_block, nvfp4_tensor_terms
@@ -507,11 +507,11 @@ def _launch(x: torch.Tensor, axis: int, block: tuple[int, int], pad: bool, rule:
 
 def _kernel_seed(seed: int | torch.Generator | torch.Tensor | None) -> int | torch.Tensor:
     """A seed as the kernels take it: an int64 kernel argument, or a device seed (a one-element
-    int64 tensor, formats.rng.check_seed_tensor) that the kernel reads at launch, so a launch
+    int64 tensor, formats.blocks.seed_key) that the kernel reads at launch, so a launch
     captured in a CUDA graph draws whatever the tensor holds at each replay."""
-    if isinstance(seed, torch.Tensor):
-        return check_seed_tensor(seed)
-    value = resolve_seed(seed)
+    value = seed_key(seed)
+    if isinstance(value, torch.Tensor):
+        return value
     if not 0 <= value < 2**63:
         raise ValueError(f"the Triton path takes seeds in [0, 2**63), got {value}")
     return value
