@@ -158,15 +158,22 @@ def _minifloat_table(ebits: int, mbits: int, bias: int, signed: bool) -> torch.T
     return torch.cat([mag, -mag]) if signed else mag
 
 
-def _lookup(table: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
-    return table.to(codes.device)[codes.to(torch.int64)]
+@lru_cache(maxsize=None)
+def _table_on(name: str, device: torch.device) -> torch.Tensor:
+    """A decode table copied to ``device`` once: a copy per decode would be a host-to-device transfer
+    inside the step, which a CUDA graph cannot capture (a dithered weight decodes its block scales)."""
+    return {"e2m1": _minifloat_table(2, 1, 1, True), "e4m3": _E4M3_TABLE}[name].to(device)
+
+
+def _lookup(name: str, codes: torch.Tensor) -> torch.Tensor:
+    return _table_on(name, codes.device)[codes.to(torch.int64)]
 
 
 def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
     """codes: [...] uint8 in 0..15 -> [...] float32 values (code 8 decodes to -0.0)."""
     if codes.dtype != torch.uint8:
         raise TypeError(f"E2M1 codes must be uint8, got {codes.dtype}")
-    return _lookup(_minifloat_table(2, 1, 1, True), codes & 0xF)
+    return _lookup("e2m1", codes & 0xF)
 
 
 def _e4m3_table() -> torch.Tensor:
@@ -184,7 +191,7 @@ def decode_e4m3(x: torch.Tensor) -> torch.Tensor:
         x = x.view(torch.uint8)
     if x.dtype != torch.uint8:
         raise TypeError(f"E4M3 scales must be float8_e4m3fn or uint8, got {x.dtype}")
-    return _lookup(_E4M3_TABLE, x)
+    return _lookup("e4m3", x)
 
 
 def encode_ue8m0(exponent: torch.Tensor) -> torch.Tensor:

@@ -163,3 +163,30 @@ def test_nibble_packing_low_nibble_first():
         C.pack_nibbles(torch.zeros(3, dtype=torch.uint8))
     with pytest.raises(TypeError):
         C.unpack_nibbles(torch.zeros(2, dtype=torch.int32))
+
+
+def test_decoding_on_a_device_copies_its_table_there_once():
+    # A CUDA graph cannot capture a host-to-device copy: a dithered weight decodes its block scales
+    # inside the captured step, so the tables must already live on the codes' device. The meta
+    # device stands in for CUDA here; a dispatch mode records every copy that crosses devices.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CrossDeviceCopies(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            src = next((a for a in args if isinstance(a, torch.Tensor)), None)
+            if isinstance(out, torch.Tensor) and src is not None and src.device != out.device:
+                self.seen.append(func)
+            return out
+
+    e2m1 = torch.zeros(4, dtype=torch.uint8, device="meta")
+    e4m3 = torch.zeros(4, dtype=torch.uint8, device="meta")
+    C.decode_e2m1(e2m1), C.decode_e4m3(e4m3)  # the first decode on a device may copy
+    with CrossDeviceCopies() as mode:
+        assert C.decode_e2m1(e2m1).device.type == "meta"
+        assert C.decode_e4m3(e4m3).device.type == "meta"
+    assert mode.seen == []
