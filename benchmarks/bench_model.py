@@ -22,6 +22,7 @@ activations or a graph's pool), e.g. to see what the pair kernel's kept wgrad co
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import time
@@ -100,6 +101,43 @@ def step_arguments(parser: argparse.ArgumentParser, *, warmup: int, steps: int) 
     parser.add_argument("--steps", type=int, default=steps)
 
 
+def time_mode(mode: str, args, tokens: int) -> dict[str, dict]:
+    """Every arm's step in ``mode``, built and warmed once (compiling, capturing included), then
+    timed in alternating rounds so that a slow spell of the host hits them all; the steps (and
+    their graphs' pools) are released before the next mode is built."""
+    steps, peak_mib = {}, {}
+    for arm in args.arms:
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        steps[arm] = make_step(arm, mode, args)
+        timed_median(steps[arm], 0, args.warmup)
+        # what this arm holds at its peak: weights, optimizer state, activations (a graph's pool)
+        peak_mib[arm] = (torch.cuda.max_memory_allocated() - before) / 2**20
+    medians: dict[str, list[float]] = {arm: [] for arm in args.arms}
+    for r in range(args.rounds):
+        for arm in args.arms:
+            medians[arm].append(timed_median(steps[arm], args.warmup + r * args.steps, args.steps) * 1e3)
+    steps.clear()
+    gc.collect()
+    torch.cuda.empty_cache()
+    rows = {}
+    for arm in args.arms:
+        ms = statistics.median(medians[arm])
+        base = medians.get("bf16")
+        ratios = [m / b for m, b in zip(medians[arm], base)] if base else None
+        row = rows[f"{arm}/{mode}"] = {
+            "arm": arm, "mode": mode, "step_ms": ms, "round_ms": medians[arm],
+            "tokens_per_s": tokens / ms * 1e3, "peak_mib": peak_mib[arm],
+            "over_bf16": statistics.median(ratios) if ratios else None,
+            "over_bf16_range": [min(ratios), max(ratios)] if ratios else None}
+        spread = f" (rounds {min(ratios):.2f}-{max(ratios):.2f})" if ratios and arm != "bf16" else ""
+        print(f"{args.model} {arm:12s} {mode:8s} {ms:8.1f} ms/step  {row['tokens_per_s']:9.0f} tok/s  "
+              f"peak {row['peak_mib']:7.0f} MiB  "
+              f"x{row['over_bf16'] or 1:.2f} of bf16 {mode}{spread}", flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     step_arguments(parser, warmup=5, steps=20)
@@ -108,34 +146,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     tokens = args.batch * args.seq
-    keys = [(arm, mode) for mode in args.modes for arm in args.arms]
-    steps, peak_mib = {}, {}
-    for key in keys:  # built and warmed once (compiling, capturing included), one at a time
-        torch.cuda.synchronize()
-        before = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        steps[key] = make_step(*key, args)
-        timed_median(steps[key], 0, args.warmup)
-        # what this arm holds at its peak: weights, optimizer state, activations (a graph's pool)
-        peak_mib[key] = (torch.cuda.max_memory_allocated() - before) / 2**20
-    medians: dict[tuple, list[float]] = {key: [] for key in keys}
-    for r in range(args.rounds):  # the arms alternate, so a slow spell of the host hits them all
-        for key in keys:
-            medians[key].append(timed_median(steps[key], args.warmup + r * args.steps, args.steps) * 1e3)
     rows: dict[str, dict] = {}
-    for arm, mode in keys:
-        ms = statistics.median(medians[arm, mode])
-        base = medians.get(("bf16", mode))
-        ratios = [m / b for m, b in zip(medians[arm, mode], base)] if base else None
-        row = rows[f"{arm}/{mode}"] = {
-            "arm": arm, "mode": mode, "step_ms": ms, "round_ms": medians[arm, mode],
-            "tokens_per_s": tokens / ms * 1e3, "peak_mib": peak_mib[arm, mode],
-            "over_bf16": statistics.median(ratios) if ratios else None,
-            "over_bf16_range": [min(ratios), max(ratios)] if ratios else None}
-        spread = f" (rounds {min(ratios):.2f}-{max(ratios):.2f})" if ratios and arm != "bf16" else ""
-        print(f"{args.model} {arm:12s} {mode:8s} {ms:8.1f} ms/step  {row['tokens_per_s']:9.0f} tok/s  "
-              f"peak {row['peak_mib']:7.0f} MiB  "
-              f"x{row['over_bf16'] or 1:.2f} of bf16 {mode}{spread}", flush=True)
+    for mode in args.modes:  # one mode's arms at a time: ratios are within a mode, and six graphed
+        rows.update(time_mode(mode, args, tokens))  # d12 steps' pools do not fit one H100 together
     payload = {**environment(), "model": args.model, "batch": args.batch, "seq": args.seq, "rounds": args.rounds,
                "steps_per_round": args.steps, "arms": rows}
     name = "model" if args.model == "d12" else f"model_{args.model.replace('-', '_')}"
