@@ -99,10 +99,19 @@ def _same(a, b):
     assert (a.axis, a.block, a.format, a.rounding) == (b.axis, b.block, b.format, b.rounding)
 
 
-@pytest.mark.parametrize("name", [*PRESETS, "nvfp4_random_signs", "nvfp4_torchao"])
+_VARIANTS = {  # recipes the studies run that no preset names
+    "nvfp4_random_signs": lambda: nvfp4().override({"wgrad.hadamard": "random"}),
+    "nvfp4_torchao": lambda: nvfp4().override({"fprop.a.profile": "torchao"}),
+    # gap-closers' fprop_hadamard: fprop's weight is rotated, so dgrad cannot reuse its 16x16 tiles
+    "nvfp4_fprop_hadamard": lambda: nvfp4().override({"fprop.hadamard": "deterministic"}),
+    "four_over_six_w1x16_fprop_hadamard": lambda: preset("nvfp4_four_over_six").override(
+        {"fprop.b.block2d": False, "dgrad.b.block2d": False, "fprop.hadamard": "deterministic"}),
+}
+
+
+@pytest.mark.parametrize("name", [*PRESETS, *_VARIANTS])
 def test_every_gemm_operand_equals_formats_by_hand(name, monkeypatch):
-    recipe = {"nvfp4_random_signs": lambda: nvfp4().override({"wgrad.hadamard": "random"}),
-              "nvfp4_torchao": lambda: nvfp4().override({"fprop.a.profile": "torchao"})}.get(name, lambda: preset(name))()
+    recipe = _VARIANTS.get(name, lambda: preset(name))()
     rec = _Recorder(monkeypatch)
     torch.manual_seed(1)
     m, k, n = 40, 64, 96  # 40 tokens: the wgrad token axis is zero-padded to 64
@@ -139,6 +148,24 @@ def test_2d_weight_tiles_give_dgrad_the_same_weight_as_fprop(monkeypatch):
     assert ("dgrad", "b") not in rec.seen  # dgrad multiplies fprop's weight values transposed
     fwd = rec.seen["fprop", "b"][2]
     _same(fwd.transposed(64), formats.quantize_nvfp4(w.detach(), axis=0, block=(16, 16), pad=True))
+
+
+@pytest.mark.parametrize("mode", ["deterministic", "random"])
+def test_hadamard_cancels_in_fprop_and_leaves_dgrad_alone(mode, monkeypatch):
+    rec = _Recorder(monkeypatch)
+    rotated = Recipe(fprop=GemmSpec(hadamard=mode))
+    x, w, dy = torch.randn(64, 32), torch.randn(48, 32), torch.randn(64, 48)
+    outs = []
+    for recipe in (bf16(), rotated):
+        xp = x.clone().requires_grad_()
+        y = fp4_linear(xp, w.clone().requires_grad_(), None, recipe, name="l")
+        y.backward(dy)
+        outs.append((y.detach(), xp.grad))
+    assert not torch.equal(rec.seen["fprop", "a"][2], x)  # the operands really were rotated
+    assert not torch.equal(rec.seen["fprop", "b"][2], w)
+    assert ("dgrad", "b") not in rec.seen  # dgrad multiplies the weight as it is
+    torch.testing.assert_close(outs[1][0], outs[0][0], rtol=1e-5, atol=1e-5)
+    assert torch.equal(outs[1][1], outs[0][1])
 
 
 @pytest.mark.parametrize("mode", ["deterministic", "fixed", "random"])
@@ -275,13 +302,15 @@ def test_pair_off_quantizes_one_copy_at_a_time_to_the_same_bytes(monkeypatch):
     assert torch.equal(runs["1"][1], runs["0"][1]) and torch.equal(runs["1"][2], runs["0"][2])
 
 
-@pytest.mark.parametrize("name", ["nvfp4", "mxfp4", "mxfp4_hadamard", "nvfp4_dither"])
+@pytest.mark.parametrize("name", ["nvfp4", "mxfp4", "mxfp4_hadamard", "nvfp4_dither",
+                                  "four_over_six_w1x16_fprop_hadamard"])
 def test_triton_path_multiplies_the_same_operands(name, monkeypatch):
     """On the Triton backend (the interpreter here) GEMM operands are quantized straight to
     BlockValues by the kernel: the same function as the reference path up to fp32 summation
     order (at most one bf16 rounding step apart)."""
     pytest.importorskip("triton")  # without CUDA, tests/conftest.py set TRITON_INTERPRET=1
-    recipe = nvfp4().override({"fprop.b.dither": 0.5, "dgrad.b.dither": 0.5}) if name == "nvfp4_dither" else preset(name)
+    recipe = nvfp4().override({"fprop.b.dither": 0.5, "dgrad.b.dither": 0.5}) if name == "nvfp4_dither" else \
+        _VARIANTS.get(name, lambda: preset(name))()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     results = {}
     for backend in ("reference", "triton"):
@@ -298,6 +327,7 @@ def test_triton_path_multiplies_the_same_operands(name, monkeypatch):
         kinds = {key: type(out).__name__ for key, (_, _, out) in rec.seen.items()}
         assert set(kinds.values()) == {"BlockValues"}  # the operand form does not depend on the backend
         reused = name.startswith("nvfp4")  # NVIDIA's recipe: 16x16 RTNE weights in fprop and dgrad
+        # (the Four Over Six variant has 1x16 weights, and fprop's rotated weight is not dgrad's)
         assert (("dgrad", "b") not in kinds) == reused
     for fast, ref in zip(results["triton"], results["reference"]):
         torch.testing.assert_close(fast, ref, rtol=2**-7, atol=1e-6)
