@@ -39,6 +39,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 import torch
+from torch._guards import detect_fake_mode
 
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
@@ -158,15 +159,25 @@ def _minifloat_table(ebits: int, mbits: int, bias: int, signed: bool) -> torch.T
     return torch.cat([mag, -mag]) if signed else mag
 
 
+def _host_table(name: str) -> torch.Tensor:
+    return {"e2m1": _minifloat_table(2, 1, 1, True), "e4m3": _E4M3_TABLE}[name]
+
+
 @lru_cache(maxsize=None)
 def _table_on(name: str, device: torch.device) -> torch.Tensor:
     """A decode table copied to ``device`` once: a copy per decode would be a host-to-device transfer
-    inside the step, which a CUDA graph cannot capture (a dithered weight decodes its block scales)."""
-    return {"e2m1": _minifloat_table(2, 1, 1, True), "e4m3": _E4M3_TABLE}[name].to(device)
+    inside the step, which a CUDA graph cannot capture (a dithered weight decodes its block scales).
+    A step's eager warm-up fills it; a first decode on the device under capture is refused here."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"the {name.upper()} decode table is not on {device} yet, and a CUDA graph cannot "
+                           "capture its copy: decode once on that device before capturing (an eager warm-up step)")
+    return _host_table(name).to(device)
 
 
 def _lookup(name: str, codes: torch.Tensor) -> torch.Tensor:
-    return _table_on(name, codes.device)[codes.to(torch.int64)]
+    # a fake tensor (tracing, export) gets its own copy: the cache must hold only real tensors
+    table = _host_table(name).to(codes.device) if detect_fake_mode((codes,)) else _table_on(name, codes.device)
+    return torch.take(table, codes.to(torch.int64))  # a copy always: a 0-dim index would alias the table
 
 
 def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:

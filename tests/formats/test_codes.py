@@ -190,3 +190,22 @@ def test_decoding_on_a_device_copies_its_table_there_once():
         assert C.decode_e2m1(e2m1).device.type == "meta"
         assert C.decode_e4m3(e4m3).device.type == "meta"
     assert mode.seen == []
+
+
+def test_a_decoded_scalar_is_a_copy_not_a_view_of_the_table():
+    # indexing with a 0-dim tensor selects, which would return a view into the cached table
+    for decode, code, value in ((C.decode_e2m1, 3, 1.5), (C.decode_e4m3, 0x38, 1.0)):
+        decode(torch.tensor(code, dtype=torch.uint8)).mul_(100)
+        assert decode(torch.tensor(code, dtype=torch.uint8)).item() == value
+
+
+def test_a_fake_decode_leaves_no_fake_table_in_the_cache():
+    # a decode traced under a fake mode (torch.compile, export) must not cache its fake copy,
+    # or every later real decode on that device would fail
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    C._table_on.cache_clear()
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        C.decode_e4m3(torch.zeros(4, dtype=torch.uint8, device="meta"))
+    real = C.decode_e4m3(torch.zeros(4, dtype=torch.uint8, device="meta"))
+    assert type(real) is torch.Tensor and real.device.type == "meta"

@@ -39,3 +39,20 @@ def test_random_bytes_hadamard_and_gemm_match_cpu():
                        hadamard_transform(x, signs="random", seed=4))
     qa, qb = quantize_nvfp4(x), quantize_nvfp4(torch.randn(128, 512))
     assert torch.equal(scaled_mm(qa.to("cuda"), qb.to("cuda")).cpu(), scaled_mm(qa, qb))
+
+
+def test_a_decode_table_is_copied_before_capture_or_refused_clearly():
+    from fp4lab.formats import codes
+
+    codes_cuda = torch.arange(16, dtype=torch.uint8, device="cuda")
+    codes._table_on.cache_clear()
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="decode once on that device before capturing"):
+        with torch.cuda.graph(graph):
+            codes.decode_e2m1(codes_cuda)
+    want = codes.decode_e2m1(codes_cuda)  # eagerly: the table is copied now
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = codes.decode_e2m1(codes_cuda)
+    graph.replay()
+    assert torch.equal(got, want)

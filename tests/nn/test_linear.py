@@ -157,15 +157,14 @@ def test_hadamard_cancels_in_fprop_and_leaves_dgrad_alone(mode, monkeypatch):
     x, w, dy = torch.randn(64, 32), torch.randn(48, 32), torch.randn(64, 48)
     outs = []
     for recipe in (bf16(), rotated):
-        xp = x.clone().requires_grad_()
-        y = fp4_linear(xp, w.clone().requires_grad_(), None, recipe, name="l")
+        xp, wp = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = fp4_linear(xp, wp, None, recipe, name="l")
         y.backward(dy)
-        outs.append((y.detach(), xp.grad))
+        outs.append((y.detach(), xp.grad, wp.grad))
     assert not torch.equal(rec.seen["fprop", "a"][2], x)  # the operands really were rotated
     assert not torch.equal(rec.seen["fprop", "b"][2], w)
-    assert ("dgrad", "b") not in rec.seen  # dgrad multiplies the weight as it is
     torch.testing.assert_close(outs[1][0], outs[0][0], rtol=1e-5, atol=1e-5)
-    assert torch.equal(outs[1][1], outs[0][1])
+    assert torch.equal(outs[1][1], outs[0][1]) and torch.equal(outs[1][2], outs[0][2])  # the backward as it was
 
 
 @pytest.mark.parametrize("mode", ["deterministic", "fixed", "random"])
@@ -302,7 +301,7 @@ def test_pair_off_quantizes_one_copy_at_a_time_to_the_same_bytes(monkeypatch):
     assert torch.equal(runs["1"][1], runs["0"][1]) and torch.equal(runs["1"][2], runs["0"][2])
 
 
-@pytest.mark.parametrize("name", ["nvfp4", "mxfp4", "mxfp4_hadamard", "nvfp4_dither",
+@pytest.mark.parametrize("name", ["nvfp4", "mxfp4", "mxfp4_hadamard", "nvfp4_dither", "nvfp4_fprop_hadamard",
                                   "four_over_six_w1x16_fprop_hadamard"])
 def test_triton_path_multiplies_the_same_operands(name, monkeypatch):
     """On the Triton backend (the interpreter here) GEMM operands are quantized straight to
@@ -326,8 +325,8 @@ def test_triton_path_multiplies_the_same_operands(name, monkeypatch):
         results[backend] = [t.detach().float().cpu() for t in (y, x.grad, w.grad)]
         kinds = {key: type(out).__name__ for key, (_, _, out) in rec.seen.items()}
         assert set(kinds.values()) == {"BlockValues"}  # the operand form does not depend on the backend
-        reused = name.startswith("nvfp4")  # NVIDIA's recipe: 16x16 RTNE weights in fprop and dgrad
-        # (the Four Over Six variant has 1x16 weights, and fprop's rotated weight is not dgrad's)
+        reused = make_call(recipe, "l", QuantContext(tick=3)).dgrad_reuses_fprop_weight()
+        assert reused == (name in ("nvfp4", "nvfp4_dither"))  # NVIDIA's 16x16 RTNE weights, unrotated
         assert (("dgrad", "b") not in kinds) == reused
     for fast, ref in zip(results["triton"], results["reference"]):
         torch.testing.assert_close(fast, ref, rtol=2**-7, atol=1e-6)
