@@ -371,11 +371,11 @@ _CLOSERS = {  # arm -> (recipe, overrides): each against NVIDIA's full recipe, s
     # what the last 30% buy on top; 70% of the steps stay FP4 (the price, said with the result)
     "stacked_keep_more_late30": ("nvfp4_four_over_six", {**_W1X16, "bf16_after": 0.7, "bf16_scope": "all",
                                                          "keep_fraction": [4 / 62, 16 / 62]}),
-    # ours: the forward carries the gap at d6 (2026-11-26: a late switch gains through its forward
-    # alone, BF16 gradients late gain nothing, removing RHT, SR or 2D weights from the backward
-    # moves nothing, SR on the forward hurts, +1.04%); a 16-point Hadamard on both fprop operands
-    # (the GEMM's result unchanged in exact arithmetic) spreads a block's outlier over its 16
-    # values, so the block scale fits the other 15 better
+    # ours: at d6 the forward's precision is what resolves (2026-11-26: a late forward-only switch
+    # gains -0.019 and BF16 gradients late are not resolved, +0.003; removing the RHT or SR from
+    # the backward separates from nothing; SR on the forward hurts, +0.018); a 16-point Hadamard on
+    # both fprop operands (the GEMM's result unchanged in exact arithmetic) spreads a block's
+    # outlier over its 16 values, so the block scale fits the other 15 better
     "fprop_hadamard": (_NV, {"fprop.hadamard": "deterministic"}),
     "stacked_keep_more_fprop_hadamard": ("nvfp4_four_over_six", {**_W1X16, "bf16_after": 0.8, "bf16_scope": "all",
                                                                  "keep_fraction": [4 / 62, 16 / 62],
