@@ -19,7 +19,8 @@
 #                           checkpoint, and runs that ran out of memory beside others are retried with
 #                           fewer at once; $SETS (space-separated KEY=VALUE) adds --set values that do not
 #                           change a run's identity, e.g. SETS=deterministic=true, or SETS=cuda_graph=false
-#                           (the GPU scales graph every dense run that allows it: 2x a d6 run's tokens/s).
+#                           (the GPU scales graph every dense run that allows it: 2x a d6 run's tokens/s);
+#                           $SEEDS (space-separated) runs only those seeds, e.g. SEEDS=0 to time one run
 #                           Output: runs/gpu/NAME at gpu-medium, NAME-X at gpu-X (e.g.
 #                           fidelity-stable), as results/ names them, so a scale never overwrites another's
 #                           ($STUDY_DIR names another folder under runs/gpu, for every study phase of
@@ -111,7 +112,8 @@ run_phases() {
                scale=${SCALE:-gpu-medium}; dir=$name; [ "$scale" = gpu-medium ] || dir=$name-${scale#gpu-}
                dir=${STUDY_DIR:-$dir}  # a campaign of its own may write elsewhere (e.g. a rerun's FP4-forward score)
                python3 -m fp4lab study "$name" --scale "$scale" --jobs "$jobs" --out "$ROOT/$dir" \
-                 ${arms:+--arms ${arms//,/ }} ${SETS:+$(printf -- '--set %s ' $SETS)} 2>&1 | quiet | grep --line-buffered -v "^|" ;;
+                 ${arms:+--arms ${arms//,/ }} ${SEEDS:+--seeds $SEEDS} ${SETS:+$(printf -- '--set %s ' $SETS)} 2>&1 \
+                 | quiet | grep --line-buffered -v "^|" ;;
       parallel:*) IFS=: read -r _ recipes modes <<< "$phase"; parallel "$recipes" "$modes" ;;
       sweep:*) IFS=: read -r _ model lrs millions tag sets <<< "$phase"; sweep "$model" "$lrs" "$millions" "$tag" "$sets" ;;
       *) echo "unknown phase $phase" ;;
