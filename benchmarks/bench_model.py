@@ -121,6 +121,7 @@ def time_mode(mode: str, args, tokens: int) -> dict[str, dict]:
     steps.clear()
     gc.collect()
     torch.cuda.empty_cache()
+    print(f"{mode}: released, {torch.cuda.memory_allocated() / 2**20:.0f} MiB still allocated", flush=True)
     rows = {}
     for arm in args.arms:
         ms = statistics.median(medians[arm])
@@ -149,6 +150,10 @@ def main() -> None:
     rows: dict[str, dict] = {}
     for mode in args.modes:  # one mode's arms at a time: ratios are within a mode, and six graphed
         rows.update(time_mode(mode, args, tokens))  # d12 steps' pools do not fit one H100 together
+        save_rows(args, rows)  # after each mode: a later mode that fails loses only its own figures
+
+
+def save_rows(args, rows: dict[str, dict]) -> None:
     payload = {**environment(), "model": args.model, "batch": args.batch, "seq": args.seq, "rounds": args.rounds,
                "steps_per_round": args.steps, "arms": rows}
     name = "model" if args.model == "d12" else f"model_{args.model.replace('-', '_')}"
@@ -158,7 +163,6 @@ def main() -> None:
     if "bf16/eager" in rows:
         keys[f"{name}_bf16_tokens_per_s"] = rows["bf16/eager"]["tokens_per_s"]
     save(name, payload, keys)
-
 
 if __name__ == "__main__":
     main()
