@@ -164,5 +164,6 @@ def save_rows(args, rows: dict[str, dict]) -> None:
         keys[f"{name}_bf16_tokens_per_s"] = rows["bf16/eager"]["tokens_per_s"]
     save(name, payload, keys)
 
+
 if __name__ == "__main__":
     main()
