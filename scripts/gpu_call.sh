@@ -11,8 +11,7 @@ OUT=${OUT:-/tmp/out}
 budget=${BUDGET:-540}
 start=$(date +%s)
 left() { echo $(( budget - ($(date +%s) - start) )); }
-quiet() {  # tqdm redraws with \r: split there first, so a line it writes between redraws survives
-  sed -u "s/\r/\n/g" | grep --line-buffered -v -E "it/s|s/it|step/s|s/step|file/s|run/s|s/run"; }
+source "$(dirname "$0")/quiet.sh"
 for phase in "$@"; do
   echo "== $phase ($(left) s left)"
   case $phase in

@@ -38,8 +38,7 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 FP4LAB_CACHE=${FP4LAB_CACHE:-/tmp/fp4l
 OUT=${OUT:-/tmp/out}
 ROOT=${CAMPAIGN_ROOT:-runs/gpu}  # CAMPAIGN_ROOT=results: the reuse phase assembles committed results
 mkdir -p "$ROOT"
-quiet() {  # tqdm redraws with \r: split there first, so a line it writes between redraws survives
-  sed -u "s/\r/\n/g" | grep --line-buffered -v -E "it/s|s/it|step/s|s/step|file/s|run/s|s/run"; }
+source "$(dirname "$0")/quiet.sh"
 
 sweep() {  # MODEL LRS TOKENS [TAG SETS]
   # the study scales' settings (catalog.py _D6, _D12), so a sweep run pairs with a study run
