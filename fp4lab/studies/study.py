@@ -42,7 +42,7 @@ import torch
 from tqdm import tqdm
 
 from ..nn import model_config
-from ..nn.recipe import Recipe
+from ..nn.recipe import HadamardMode, Recipe
 from ..train.checkpoint import CheckpointError
 from ..train.corpus import CORPORA, default_dataset
 from ..train.config import config_identity
@@ -251,10 +251,21 @@ def _trains_as(receipt: Receipt, recipe: Recipe) -> bool:
     """The receipt's run trained with this recipe's arithmetic, whatever either is named (the receipt
     stores the recipe it resolved; fields added since read as their defaults)."""
     try:
-        ran = Recipe.from_dict(receipt.recipe).to_dict()
+        ran = Recipe.from_dict(receipt.recipe)
     except (TypeError, ValueError):  # a recipe of fields since renamed: not provably the same
         return False
-    return {**ran, "name": None} == {**recipe.to_dict(), "name": None}
+    return _arithmetic(ran) == _arithmetic(recipe)
+
+
+def _arithmetic(recipe: Recipe) -> dict:
+    """What a run of the recipe computes: its fields less the name, and less the Hadamard size of a
+    GEMM that rotates nothing (fidelity's mxfp4 and gemm-progression's fprop_dgrad_wgrad differ only
+    there)."""
+    data = {**recipe.to_dict(), "name": None}
+    for gemm in ("fprop", "dgrad", "wgrad"):
+        if data[gemm]["hadamard"] == HadamardMode.NONE.value:
+            data[gemm] = {**data[gemm], "hadamard_size": None}
+    return data
 
 
 def _finished(cfg: TrainConfig) -> Receipt | None:

@@ -78,9 +78,10 @@ def test_a_finished_run_is_kept_and_a_changed_one_refused_unless_replaced(tmp_pa
 def test_a_run_serves_another_arm_only_with_the_same_arithmetic(tmp_path):
     """A study reuses another study's run when the recipe it trained resolves to the arm's (the
     fidelity study's mxfp4_hadamard is wgrad-interventions' det_hadamard, under another preset's
-    name and overrides); a run of other
-    arithmetic under an arm's name (mxfp4 where gemm-progression wants its own all-MXFP4 preset,
-    which differs) is refused, by the runner and by the report, nothing overwritten."""
+    name and overrides; fidelity's mxfp4 is gemm-progression's fprop_dgrad_wgrad, whose unrotated
+    wgrad names another Hadamard size); a run of other arithmetic under an arm's name (the
+    Hadamard-rotated mxfp4 where gemm-progression wants plain MXFP4) is refused, by the runner and
+    by the report, nothing overwritten."""
     run_study(STUDIES["fidelity"], SCALES["smoke"], tmp_path / "fidelity", arms=("mxfp4_hadamard", "mxfp4"))
 
     def serve(run: str, study: str, arm: str) -> Path:
@@ -98,12 +99,19 @@ def test_a_run_serves_another_arm_only_with_the_same_arithmetic(tmp_path):
     kept = load_study(STUDIES["wgrad-interventions"], tmp_path / "wgrad")["det_hadamard"][0]
     assert kept.config["recipe"] == "mxfp4_hadamard" and kept.config["recipe_overrides"] == {"seed": 0}
 
-    wrong = serve("mxfp4", "progression", "fprop_dgrad_wgrad")
+    plain = serve("mxfp4", "progression", "fprop_dgrad_wgrad")
+    stamp = plain.stat().st_mtime_ns
+    run_study(STUDIES["gemm-progression"], SCALES["smoke"], tmp_path / "progression", arms=("fprop_dgrad_wgrad",))
+    assert plain.stat().st_mtime_ns == stamp
+    assert load_study(STUDIES["gemm-progression"], tmp_path / "progression")["fprop_dgrad_wgrad"][0].config["recipe"] == "mxfp4"
+
+    wrong = serve("mxfp4_hadamard", "progression-rotated", "fprop_dgrad_wgrad")
     stamp = wrong.stat().st_mtime_ns
     with pytest.raises(ValueError, match="fprop_dgrad_wgrad-seed0 holds a finished run of other settings"):
-        run_study(STUDIES["gemm-progression"], SCALES["smoke"], tmp_path / "progression", arms=("fprop_dgrad_wgrad",))
-    with pytest.raises(ValueError, match="ran recipe mxfp4 with {}, but arm fprop_dgrad_wgrad"):
-        load_study(STUDIES["gemm-progression"], tmp_path / "progression")
+        run_study(STUDIES["gemm-progression"], SCALES["smoke"], tmp_path / "progression-rotated",
+                  arms=("fprop_dgrad_wgrad",))
+    with pytest.raises(ValueError, match="ran recipe mxfp4_hadamard with {}, but arm fprop_dgrad_wgrad"):
+        load_study(STUDIES["gemm-progression"], tmp_path / "progression-rotated")
     assert wrong.stat().st_mtime_ns == stamp
 
 
