@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
+import torch
 
 from fp4lab.cli import main
 from fp4lab.studies.catalog import SCALES, STUDIES
@@ -390,3 +392,29 @@ def test_gap_closers_verdict_and_the_goal_line():
     assert _verdict("gap-closers", finals)[1] == NOT_RESOLVED
     finals["late_bf16_all"] = (3.03, 3.13, 3.08)  # +1%
     assert "not met" in _verdict("gap-closers", finals)[0]
+
+
+def test_keep_attn_keeps_the_same_bf16_share_as_keep_more_elsewhere(tmp_path):
+    """gap-closers' keep_attn and keep_more put the same third of d6's block linears in BF16 (every
+    GEMM's FLOPs split alike), keep_more as the last two blocks, keep_attn as every block's
+    attention projections: the two arms differ only in where that third sits."""
+    from fp4lab.nn import model_config
+    from fp4lab.nn.model import GPT
+    from fp4lab.nn.swap import quantize_model
+    from fp4lab.train.run import recipe_of
+
+    configs = {Path(c.out).name.removesuffix("-seed0"): c for c in arm_configs(
+        STUDIES["gap-closers"], SCALES["gpu-stable"], tmp_path, seeds=(0,), arms=("keep_more", "keep_attn"))}
+    kept, fractions = {}, {}
+    for arm, cfg in configs.items():
+        model = GPT(model_config(cfg.model, vocab_size=512, seq_len=64, **cfg.model_overrides))
+        quantize_model(model, recipe_of(cfg))
+        kept[arm] = {name for name, m in model.named_modules()
+                     if isinstance(m, torch.nn.Linear) and getattr(m, "recipe", None) is None}
+        fractions[arm] = model.fp4_coverage["flop_fraction"]
+    for gemm, split in fractions["keep_more"].items():
+        assert fractions["keep_attn"][gemm] == pytest.approx(split)
+    block_kept = {arm: {n for n in names if n.startswith("blocks.")} for arm, names in kept.items()}
+    assert block_kept["keep_more"] == {f"blocks.{i}.{p}" for i in (4, 5)
+                                       for p in ("attn.qkv", "attn.proj", "ffn.gate", "ffn.up", "ffn.down")}
+    assert block_kept["keep_attn"] == {f"blocks.{i}.attn.{p}" for i in range(6) for p in ("qkv", "proj")}
