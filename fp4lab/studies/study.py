@@ -90,7 +90,7 @@ class Scale:
     """Rough minutes per run by model size where it is sized for: --list multiplies it out."""
     graph: bool = False
     """On a CUDA device, replay each run's steps from a CUDA graph where the run allows it
-    (train.run.graph_refusal: a dense model, one process): the same steps at about twice a small
+    (train.run.graph_refusal: one process, no FP4 experts): the same steps at about twice a small
     model's tokens/s. Not part of a run's identity, so graphed and eager runs pair and skip alike;
     ``--set cuda_graph=false`` keeps every run eager, ``--set cuda_graph=true`` graphs the runs
     that allow it at any scale."""
@@ -223,8 +223,9 @@ def arm_configs(study: Study, scale: Scale, out: Path, *, seeds: tuple[int, ...]
 
 
 def _graphable(cfg: TrainConfig) -> bool:
+    # an MoE model's experts run the recipe unless it quantizes nothing (nn.swap)
     moe = model_config(cfg.model, **cfg.model_overrides).moe is not None
-    return cfg.grad_accum == 1 and graph_refusal(moe=moe) is None
+    return cfg.grad_accum == 1 and graph_refusal(fp4_experts=moe and recipe_of(cfg).quantized) is None
 
 
 def _identities(receipt: Receipt, cfg: TrainConfig) -> tuple[dict, dict]:

@@ -8,8 +8,9 @@ Python between them. What makes an FP4 step capturable:
 - its random bits: every seed of the dense FP4 layers lives in the QuantContext's
   ``nn.seeds.SeedTable``, which setting ``context.tick`` refills before each replay, so step t
   draws step t's bits (an int seed would be frozen into the graph at its capture value);
-- no host synchronization inside the step, and no int seed: an MoE block's routing reads its
-  expert counts on the host and operand statistics read values back (CUDA refuses the sync at
+- no host synchronization inside the step, and no int seed: FP4 experts size their grouped
+  launches from the routing's counts read on the host (BF16 experts keep them on the device, so
+  a BF16 MoE step is captured) and operand statistics read values back (CUDA refuses the sync at
   capture); weight dither's seed is a slot too, and every seed drawn without a table refuses to
   be captured (the compiled custom ops of nn.ops likewise; with one they read it like the eager path);
 - static tensors: the batch is copied into the graph's own input tensors, the optimizer is built

@@ -252,6 +252,8 @@ def _graphed_loss(run: Run, graphs: dict, step: int, x: torch.Tensor, y: torch.T
         graphs["step"] = GraphedStep(run.runner, run.optimizers, run.context, (x, y), warmup=2, step=False,
                                      autocast=torch.bfloat16)
         graphs["recipe"] = in_force
+        for moe in run.model.moe_layers():  # the warm-up's routing was counted: the step's replay counts it once
+            moe.load.zero_()
     return graphs["step"](step, x, y)
 
 

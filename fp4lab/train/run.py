@@ -115,12 +115,14 @@ def recipe_of(cfg: TrainConfig) -> Recipe:
         raise ValueError(f"recipe {cfg.recipe!r} with {cfg.recipe_overrides}: {err}") from err
 
 
-def graph_refusal(*, moe: bool, device_type: str = "cuda", world: int = 1) -> str | None:
+def graph_refusal(*, fp4_experts: bool, device_type: str = "cuda", world: int = 1) -> str | None:
     """Why a run cannot replay its steps from a CUDA graph (train.graphed), or None when it can:
-    a CUDA device, one process, no MoE block (routing reads its counts on the host)."""
+    a CUDA device, one process, no FP4 experts (their grouped launches are sized from the routing's
+    counts read on the host; BF16 experts multiply on torch._grouped_mm with the counts on the
+    device)."""
     return ("it needs a CUDA device" if device_type != "cuda" else
             "one process only (DDP's collectives are not captured)" if world > 1 else
-            "MoE routing reads its expert counts on the host" if moe else None)
+            "FP4 experts read the routing's counts on the host" if fp4_experts else None)
 
 
 def setup(cfg: TrainConfig) -> Run:
@@ -156,7 +158,8 @@ def setup(cfg: TrainConfig) -> Run:
     optimizers = build_optimizers(model, lr=cfg.lr, weight_decay=cfg.weight_decay, dense=cfg.dense_opt,
                                   expert=cfg.expert_opt, muon_lr=cfg.muon_lr, embed_lr=cfg.embed_lr)
     if cfg.cuda_graph:  # what a graph cannot replay is refused before training starts
-        why = graph_refusal(moe=bool(model.moe_layers()), device_type=device.type, world=world)
+        fp4_experts = any(moe.experts.recipe is not None for moe in model.moe_layers())
+        why = graph_refusal(fp4_experts=fp4_experts, device_type=device.type, world=world)
         if why:
             raise ValueError(f"training setting cuda_graph=true: {why}")
     if cfg.compile:

@@ -94,6 +94,31 @@ def test_a_graphed_training_run_is_the_eager_run_bit_for_bit(token_file, tmp_pat
     assert graphed.final.bf16_forward_val_loss == eager.final.bf16_forward_val_loss
 
 
+def test_a_graph_is_refused_for_fp4_experts_only():
+    from fp4lab.train.run import graph_refusal
+    assert graph_refusal(fp4_experts=False) is None  # a dense model, or an MoE with BF16 experts
+    assert "counts on the host" in graph_refusal(fp4_experts=True)
+    assert "CUDA device" in graph_refusal(fp4_experts=False, device_type="cpu")
+    assert "one process" in graph_refusal(fp4_experts=False, world=2)
+
+
+@cuda
+def test_a_graphed_bf16_moe_run_is_the_eager_run_bit_for_bit(token_file, tmp_path):
+    """BF16 experts multiply on torch._grouped_mm with the routing's counts on the device, so their
+    step is captured: every train loss and evaluation equals the eager run's (the routing's load
+    counted inside the graph, the balancing bias updated after each replay). FP4 experts are
+    refused before training starts."""
+    from fp4lab.train.loop import train
+    moe = dict(model="moe-tiny", recipe="bf16", recipe_overrides={})
+    eager = train(_config(token_file, tmp_path / "eager", **moe))
+    graphed = train(_config(token_file, tmp_path / "graphed", cuda_graph=True, **moe))
+    assert graphed.status == eager.status == "ok"
+    assert graphed.train_curve == eager.train_curve
+    assert [e.val_loss for e in graphed.evals] == [e.val_loss for e in eager.evals]
+    with pytest.raises(ValueError, match="FP4 experts read the routing's counts on the host"):
+        train(_config(token_file, tmp_path / "fp4", cuda_graph=True, model="moe-tiny"))
+
+
 @cuda
 def test_deterministic_gpu_runs_repeat_bit_for_bit_graphed_or_not(token_file, tmp_path):
     """At a batch where cuDNN's attention backward varies between reruns (32 x 256 here; the
