@@ -23,7 +23,7 @@ and clears the count. An optional Switch-style auxiliary loss, ``aux_coef * E * 
 (f: fraction of routed slots, P: mean normalised score), is left in ``aux_loss`` for the model.
 ``routing_stats()`` reports the load fractions of the last counts and their imbalance.
 
-Public: ``MoEConfig``, ``RouterKind``, ``GroupedExperts``, ``MoE``.
+Public: ``MoEConfig``, ``RouterKind``, ``GroupedExperts``, ``MoE``, ``grouped_mm_runs``.
 """
 
 from __future__ import annotations
@@ -94,9 +94,17 @@ class GroupedExperts(nn.Module):
     grouped_mm = True
     """Use torch._grouped_mm where it runs (False: the per-expert loop, e.g. to compare)."""
 
+    def counts_on_device(self) -> bool:
+        """Whether a training step (under bf16 autocast) keeps the routing's counts on the device,
+        as a CUDA graph needs: BF16 experts on torch._grouped_mm. FP4 experts and the loop read
+        them on the host."""
+        return self.recipe is None and self.grouped_mm and grouped_mm_runs(self.w_down.device, torch.bfloat16,
+                                                                           *self.w_down.shape[1:])
+
     def forward(self, x_sorted_SD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         dtype = compute_dtype(x_sorted_SD)
-        if self.recipe is None and self.grouped_mm and _grouped_mm_runs(x_sorted_SD, self.w_down, dtype):
+        width = self.w_down.shape[1:]
+        if self.recipe is None and self.grouped_mm and grouped_mm_runs(x_sorted_SD.device, dtype, *width):
             offsets_E = counts_E.cumsum(0).to(torch.int32)
 
             def mm(x: torch.Tensor, w_EOI: torch.Tensor) -> torch.Tensor:
@@ -121,12 +129,13 @@ class GroupedExperts(nn.Module):
         return torch.cat(outs) if outs else x_sorted_SD.new_zeros(x_sorted_SD.shape)
 
 
-def _grouped_mm_runs(x: torch.Tensor, w_down_EDF: torch.Tensor, dtype: torch.dtype) -> bool:
+def grouped_mm_runs(device: torch.device, dtype: torch.dtype, dim: int, hidden: int) -> bool:
+    """Whether BF16 experts of this width multiply on torch._grouped_mm (one call, the counts kept
+    on the device) rather than the per-expert loop (the counts read on the host)."""
     # bf16 only: what the CUDA kernel takes, and all torch.compile's shape rule for it accepts;
     # rows 16-byte aligned (D and F multiples of 8), else the loop
-    if not hasattr(torch, "_grouped_mm") or dtype != torch.bfloat16 or any(n % 8 for n in w_down_EDF.shape[1:]):
+    if not hasattr(torch, "_grouped_mm") or dtype != torch.bfloat16 or dim % 8 or hidden % 8:
         return False
-    device = x.device
     return device.type == "cpu" or (device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0))
 
 

@@ -78,7 +78,7 @@ class GraphedStep:
                 self.loss = self._body()
         except RuntimeError as exc:
             raise RuntimeError("the training step could not be captured: it synchronizes with the host or "
-                               "draws a seed a graph would freeze (an MoE block's routing, operand statistics, "
+                               "draws a seed a graph would freeze (FP4 experts' routing counts, operand statistics, "
                                f"a seed without a SeedTable, a compiled model): {exc}") from exc
 
     def _body(self) -> torch.Tensor:

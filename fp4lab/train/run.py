@@ -115,14 +115,15 @@ def recipe_of(cfg: TrainConfig) -> Recipe:
         raise ValueError(f"recipe {cfg.recipe!r} with {cfg.recipe_overrides}: {err}") from err
 
 
-def graph_refusal(*, fp4_experts: bool, device_type: str = "cuda", world: int = 1) -> str | None:
+def graph_refusal(*, host_counts: bool, device_type: str = "cuda", world: int = 1) -> str | None:
     """Why a run cannot replay its steps from a CUDA graph (train.graphed), or None when it can:
-    a CUDA device, one process, no FP4 experts (their grouped launches are sized from the routing's
-    counts read on the host; BF16 experts multiply on torch._grouped_mm with the counts on the
-    device)."""
+    a CUDA device, one process, and no experts that read the routing's counts on the host
+    (``host_counts``: FP4 experts size their grouped launches from them, and BF16 experts do where
+    torch._grouped_mm does not run; nn.moe.GroupedExperts.counts_on_device)."""
     return ("it needs a CUDA device" if device_type != "cuda" else
             "one process only (DDP's collectives are not captured)" if world > 1 else
-            "FP4 experts read the routing's counts on the host" if fp4_experts else None)
+            "MoE experts read the routing's counts on the host (FP4 experts, or BF16 experts without "
+            "torch._grouped_mm: CUDA before sm_90)" if host_counts else None)
 
 
 def setup(cfg: TrainConfig) -> Run:
@@ -158,8 +159,8 @@ def setup(cfg: TrainConfig) -> Run:
     optimizers = build_optimizers(model, lr=cfg.lr, weight_decay=cfg.weight_decay, dense=cfg.dense_opt,
                                   expert=cfg.expert_opt, muon_lr=cfg.muon_lr, embed_lr=cfg.embed_lr)
     if cfg.cuda_graph:  # what a graph cannot replay is refused before training starts
-        fp4_experts = any(moe.experts.recipe is not None for moe in model.moe_layers())
-        why = graph_refusal(fp4_experts=fp4_experts, device_type=device.type, world=world)
+        host_counts = any(not moe.experts.counts_on_device() for moe in model.moe_layers())
+        why = graph_refusal(host_counts=host_counts, device_type=device.type, world=world)
         if why:
             raise ValueError(f"training setting cuda_graph=true: {why}")
     if cfg.compile:

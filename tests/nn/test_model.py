@@ -213,12 +213,13 @@ def test_qk_norm_model_trains():
 
 def test_bf16_experts_on_grouped_mm_equal_the_per_expert_loop():
     # torch._grouped_mm (one call for all experts) against the loop, with an expert left empty
-    from fp4lab.nn.moe import _grouped_mm_runs
+    from fp4lab.nn.moe import grouped_mm_runs
     torch.manual_seed(0)
     experts = MoE(64, MoEConfig(n_experts=4, top_k=2, expert_hidden=32)).experts
     # else both arms would be the loop; rows must be 16-byte aligned (D and F multiples of 8)
-    assert _grouped_mm_runs(torch.zeros(1, 64), experts.w_down, torch.bfloat16)
-    assert not _grouped_mm_runs(torch.zeros(1, 60), torch.zeros(4, 60, 32), torch.bfloat16)
+    cpu = torch.device("cpu")
+    assert grouped_mm_runs(cpu, torch.bfloat16, *experts.w_down.shape[1:]) and experts.counts_on_device()
+    assert not grouped_mm_runs(cpu, torch.bfloat16, 60, 32) and not grouped_mm_runs(cpu, torch.float32, 64, 32)
     counts = torch.tensor([5, 0, 9, 2])
     x = torch.randn(16, 64, requires_grad=True)
     dy = torch.randn(16, 64, dtype=torch.bfloat16)

@@ -133,6 +133,7 @@ def test_gpu_scales_graph_the_runs_a_graph_can_replay(tmp_path, monkeypatch):
     graphs, and graphing leaves a run's identity alone."""
     import torch
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     stiction = {c.out.split("/")[-1]: c.cuda_graph for c in arm_configs(STUDIES["stiction"], SCALES["gpu-stable"],
                                                                          tmp_path, seeds=(0,))}
     assert stiction == {"bf16-seed0": True, "rtne-seed0": True, "dither-seed0": True, "sr-seed0": True}
@@ -140,6 +141,9 @@ def test_gpu_scales_graph_the_runs_a_graph_can_replay(tmp_path, monkeypatch):
                                                                       tmp_path, seeds=(0,))}
     assert gains == {f"{arm}-seed0": arm.startswith("bf16") for arm in
                      ("unit", "embed", "logits", "old_pair", "bf16", "bf16_embed", "bf16_logits", "bf16_old_pair")}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))  # no torch._grouped_mm
+    assert not any(c.cuda_graph for c in arm_configs(STUDIES["gains"], SCALES["gpu-stable"], tmp_path, seeds=(0,)))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     assert all(c.cuda_graph for c in arm_configs(STUDIES["gap-closers"], SCALES["gpu-small"], tmp_path))
     assert not any(c.cuda_graph for c in arm_configs(STUDIES["gap-closers"], SCALES["gpu-stable"], tmp_path,
                                                      cuda_graph=False))

@@ -94,12 +94,12 @@ def test_a_graphed_training_run_is_the_eager_run_bit_for_bit(token_file, tmp_pat
     assert graphed.final.bf16_forward_val_loss == eager.final.bf16_forward_val_loss
 
 
-def test_a_graph_is_refused_for_fp4_experts_only():
+def test_a_graph_is_refused_where_experts_read_their_counts_on_the_host():
     from fp4lab.train.run import graph_refusal
-    assert graph_refusal(fp4_experts=False) is None  # a dense model, or an MoE with BF16 experts
-    assert "counts on the host" in graph_refusal(fp4_experts=True)
-    assert "CUDA device" in graph_refusal(fp4_experts=False, device_type="cpu")
-    assert "one process" in graph_refusal(fp4_experts=False, world=2)
+    assert graph_refusal(host_counts=False) is None  # a dense model, or BF16 experts on torch._grouped_mm
+    assert "counts on the host" in graph_refusal(host_counts=True)
+    assert "CUDA device" in graph_refusal(host_counts=False, device_type="cpu")
+    assert "one process" in graph_refusal(host_counts=False, world=2)
 
 
 @cuda
@@ -115,7 +115,7 @@ def test_a_graphed_bf16_moe_run_is_the_eager_run_bit_for_bit(token_file, tmp_pat
     assert graphed.status == eager.status == "ok"
     assert graphed.train_curve == eager.train_curve
     assert [e.val_loss for e in graphed.evals] == [e.val_loss for e in eager.evals]
-    with pytest.raises(ValueError, match="FP4 experts read the routing's counts on the host"):
+    with pytest.raises(ValueError, match="experts read the routing's counts on the host"):
         train(_config(token_file, tmp_path / "fp4", cuda_graph=True, model="moe-tiny"))
 
 
