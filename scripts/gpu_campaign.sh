@@ -19,7 +19,8 @@
 #                           checkpoint, and runs that ran out of memory beside others are retried with
 #                           fewer at once; $SETS (space-separated KEY=VALUE) adds --set values that do not
 #                           change a run's identity, e.g. SETS=deterministic=true, or SETS=cuda_graph=false
-#                           (the GPU scales graph every dense run that allows it: 2x a d6 run's tokens/s);
+#                           (the GPU scales graph every run that allows it, dense or with BF16 experts: 2x a
+#                           d6 run's tokens/s);
 #                           $SEEDS (space-separated) runs only those seeds, e.g. SEEDS=0 to time one run
 #                           Output: runs/gpu/NAME at gpu-medium, NAME-X at gpu-X (e.g.
 #                           fidelity-stable), as results/ names them, so a scale never overwrites another's

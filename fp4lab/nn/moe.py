@@ -94,17 +94,18 @@ class GroupedExperts(nn.Module):
     grouped_mm = True
     """Use torch._grouped_mm where it runs (False: the per-expert loop, e.g. to compare)."""
 
+    def _on_grouped_mm(self, device: torch.device, dtype: torch.dtype) -> bool:
+        return self.recipe is None and self.grouped_mm and grouped_mm_runs(device, dtype, *self.w_down.shape[1:])
+
     def counts_on_device(self) -> bool:
         """Whether a training step (under bf16 autocast) keeps the routing's counts on the device,
         as a CUDA graph needs: BF16 experts on torch._grouped_mm. FP4 experts and the loop read
         them on the host."""
-        return self.recipe is None and self.grouped_mm and grouped_mm_runs(self.w_down.device, torch.bfloat16,
-                                                                           *self.w_down.shape[1:])
+        return self._on_grouped_mm(self.w_down.device, torch.bfloat16)
 
     def forward(self, x_sorted_SD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         dtype = compute_dtype(x_sorted_SD)
-        width = self.w_down.shape[1:]
-        if self.recipe is None and self.grouped_mm and grouped_mm_runs(x_sorted_SD.device, dtype, *width):
+        if self._on_grouped_mm(x_sorted_SD.device, dtype):
             offsets_E = counts_E.cumsum(0).to(torch.int32)
 
             def mm(x: torch.Tensor, w_EOI: torch.Tensor) -> torch.Tensor:
