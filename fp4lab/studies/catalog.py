@@ -332,7 +332,8 @@ STICTION = Study(
     name="stiction", title="weight-code stiction: RTNE vs dither vs SR on weights",
     claim="RTNE freezes FP4 weight codes under small updates (stiction); keeping codes moving "
           "(dither, SR) should close part of the gap", source="fp4lab question (after the NVFP4 SR literature)",
-    arms=(Arm(name="bf16"), Arm(name="rtne", recipe=_PLAIN),
+    # BF16 has no FP4 weight codes to sample: its arm is fidelity's BF16 run, which serves here
+    arms=(Arm(name="bf16", train={"stiction_every": 0}), Arm(name="rtne", recipe=_PLAIN),
           Arm(name="dither", recipe=_PLAIN, recipe_overrides={"fprop.b.dither": 1.0, "dgrad.b.dither": 1.0},
               baseline="rtne"),
           Arm(name="sr", recipe=_PLAIN, recipe_overrides={"fprop.b.rounding": "stochastic",

@@ -84,7 +84,7 @@ def test_a_run_serves_another_arm_only_with_the_same_arithmetic(tmp_path):
     wgrad names another Hadamard size); a run of other arithmetic under an arm's name (the
     Hadamard-rotated mxfp4 where gemm-progression wants plain MXFP4) is refused, by the runner and
     by the report, nothing overwritten."""
-    run_study(STUDIES["fidelity"], SCALES["smoke"], tmp_path / "fidelity", arms=("mxfp4_hadamard", "mxfp4"))
+    run_study(STUDIES["fidelity"], SCALES["smoke"], tmp_path / "fidelity", arms=("mxfp4_hadamard", "mxfp4", "bf16"))
 
     def serve(run: str, study: str, arm: str) -> Path:
         receipt = json.loads((tmp_path / "fidelity" / f"{run}-seed0" / "receipt.json").read_text())
@@ -107,6 +107,11 @@ def test_a_run_serves_another_arm_only_with_the_same_arithmetic(tmp_path):
     assert plain.stat().st_mtime_ns == stamp
     assert load_study(STUDIES["gemm-progression"], tmp_path / "progression")["fprop_dgrad_wgrad"][0].config["recipe"] == "mxfp4"
 
+    bf16 = serve("bf16", "stiction", "bf16")  # a BF16 run samples no FP4 codes: fidelity's serves stiction
+    stamp = bf16.stat().st_mtime_ns
+    run_study(STUDIES["stiction"], SCALES["smoke"], tmp_path / "stiction", arms=("bf16",))
+    assert bf16.stat().st_mtime_ns == stamp
+
     wrong = serve("mxfp4_hadamard", "progression-rotated", "fprop_dgrad_wgrad")
     stamp = wrong.stat().st_mtime_ns
     with pytest.raises(ValueError, match="fprop_dgrad_wgrad-seed0 holds a finished run of other settings"):
@@ -121,7 +126,7 @@ def test_seeds_vary_init_data_and_rounding_together(tmp_path):
     configs = arm_configs(STUDIES["stiction"], SCALES["gpu-small"], tmp_path)
     assert sorted({c.seed for c in configs}) == [0, 1, 2]
     assert all(c.recipe_overrides["seed"] == c.seed for c in configs)
-    assert all(c.stiction_every == 5 and c.model == "d6" for c in configs)
+    assert all(c.stiction_every == (0 if c.recipe == "bf16" else 5) and c.model == "d6" for c in configs)
     moe = arm_configs(STUDIES["gains"], SCALES["gpu-small"], tmp_path)
     assert all(c.model == "moe64" for c in moe)
 
