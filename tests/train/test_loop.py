@@ -55,6 +55,19 @@ def test_receipt_is_complete_and_loss_falls(token_file, tmp_path):
     assert [l["val_loss_bf16_forward"] for l in lines if "val_loss_bf16_forward" in l] == [served]
 
 
+@pytest.mark.parametrize("weights", [{}, {"fprop.b.dither": 1.0, "dgrad.b.dither": 1.0},
+                                     {"fprop.b.rounding": "stochastic", "dgrad.b.rounding": "stochastic"}],
+                         ids=["rtne", "dither", "sr"])
+def test_measuring_stiction_changes_no_step(token_file, tmp_path, weights):
+    """The stiction study compares flips and losses of one run: reading the weights' codes around
+    the optimizer step must leave the run as it is without the meter, bit for bit (random weight
+    rounding too: the meter may not draw from or advance its stream)."""
+    runs = [train(_cfg(token_file, tmp_path / f"every{every}", steps=8, eval_every=4, recipe="nvfp4_plain",
+                       recipe_overrides=weights, stiction_every=every)) for every in (0, 2)]
+    assert [s for s, _ in runs[1].flip_rate] == [2, 4, 6, 8] and not runs[0].flip_rate
+    assert runs[0].train_curve == runs[1].train_curve and runs[0].evals == runs[1].evals
+
+
 def test_a_late_switch_is_scored_again_through_the_fp4_forward_it_left(token_file, tmp_path):
     """A run whose forward switched to BF16 late is evaluated once more with the FP4 forward it
     trained with: bit for bit what its final weights give under the recipe without the switch.
