@@ -347,6 +347,8 @@ STICTION = Study(
 _W1X16 = {"fprop.b.block2d": False, "dgrad.b.block2d": False}
 _DEFAULT_KEEP = list(Recipe().keep_bf16)  # lm_head and routers: kept by every recipe
 _KEEP_MORE = {"keep_fraction": [4 / 62, 16 / 62]}  # twice NVIDIA's share: d6 (0, 2), d12 (1, 3)
+# keep_more's third of the block linears at d6, as every block's attention projections instead
+_KEEP_ATTN = {"keep_first": 0, "keep_last": 0, "keep_bf16": [*_DEFAULT_KEEP, "blocks.*.attn.*"]}
 # Four Over Six with 1x16 weights and the late all-GEMM switch: the base the stacked arms build on
 _STACKED = {**_W1X16, "bf16_after": 0.8, "bf16_scope": "all"}
 _CLOSERS = {  # arm -> (recipe, overrides): each against NVIDIA's full recipe, same seeds
@@ -389,9 +391,15 @@ _CLOSERS = {  # arm -> (recipe, overrides): each against NVIDIA's full recipe, s
     # proj: 4 d^2 of a block's 12 d^2 at d6, the same third) and no whole block, so the two
     # arms differ only in where the BF16 third sits (against NVIDIA's recipe it also puts the last
     # block's feed-forward back in FP4: keep_more is its baseline)
-    "keep_attn": (_NV, {"keep_first": 0, "keep_last": 0, "keep_bf16": [*_DEFAULT_KEEP, "blocks.*.attn.*"]}),
+    "keep_attn": (_NV, _KEEP_ATTN),
+    # ours: keep_attn against keep_more, -0.0036 [-0.0118, +0.0047] (3 seeds, 2026-11-26), not
+    # resolved but on one side every seed; the best recipe, stacked_keep_more_late30, is at +0.67%
+    # [+0.51, +0.83] from BF16, so the same swap there asks whether the 0.5% goal is in reach
+    # with the same BF16 share
+    "stacked_keep_attn_late30": ("nvfp4_four_over_six", {**_STACKED, **_KEEP_ATTN, "bf16_after": 0.7}),
 }
-_CLOSER_BASELINES = {"keep_attn": "keep_more"}  # else NVIDIA's recipe
+# else NVIDIA's recipe: an arm that moves the BF16 layers is judged against the same share kept as blocks
+_CLOSER_BASELINES = {"keep_attn": "keep_more", "stacked_keep_attn_late30": "stacked_keep_more_late30"}
 _GOAL_PCT = 0.5
 
 

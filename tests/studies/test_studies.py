@@ -408,17 +408,26 @@ def test_gap_closers_verdict_and_the_goal_line():
     assert "not met" in _verdict("gap-closers", finals)[0]
 
 
-def test_keep_attn_keeps_the_same_bf16_share_as_keep_more_elsewhere(tmp_path):
+@pytest.mark.parametrize("attn, more", [("keep_attn", "keep_more"),
+                                        ("stacked_keep_attn_late30", "stacked_keep_more_late30")])
+def test_keep_attn_keeps_the_same_bf16_share_as_keep_more_elsewhere(tmp_path, attn, more):
     """gap-closers' keep_attn and keep_more put the same third of d6's block linears in BF16 (every
     GEMM's FLOPs split alike), keep_more as the last two blocks, keep_attn as every block's
-    attention projections: the two arms differ only in where that third sits."""
+    attention projections: the two arms differ only in where that third sits (and so do the
+    stacked arms built on them, each judged against the other)."""
     from fp4lab.nn import model_config
     from fp4lab.nn.model import GPT
     from fp4lab.nn.swap import quantize_model
     from fp4lab.train.run import recipe_of
 
     configs = {Path(c.out).name.removesuffix("-seed0"): c for c in arm_configs(
-        STUDIES["gap-closers"], SCALES["gpu-stable"], tmp_path, seeds=(0,), arms=("keep_more", "keep_attn"))}
+        STUDIES["gap-closers"], SCALES["gpu-stable"], tmp_path, seeds=(0,), arms=(more, attn))}
+    keep_more, keep_attn = (configs[more], configs[attn])
+    overrides = [{k: v for k, v in c.recipe_overrides.items() if k not in ("keep_first", "keep_last", "keep_bf16",
+                                                                           "keep_fraction")} for c in (keep_more, keep_attn)]
+    assert keep_more.recipe == keep_attn.recipe and overrides[0] == overrides[1]  # nothing else differs
+    assert {a.name: a.baseline for a in STUDIES["gap-closers"].arms}[attn] == more
+    configs = {"keep_more": keep_more, "keep_attn": keep_attn}
     kept, fractions = {}, {}
     for arm, cfg in configs.items():
         model = GPT(model_config(cfg.model, vocab_size=512, seq_len=64, **cfg.model_overrides))
