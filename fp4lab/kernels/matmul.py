@@ -16,9 +16,13 @@ this kernel does all of it in one: C = round_bf16(alpha * (A @ B^T)) with FP32 a
                                               (one launch: MoE wgrad, contracting each expert's
                                               own tokens)
 
-The grouped launch walks a tile list made on the host from ``sizes`` (a list of ints: the caller
-already has them, so there is no device sync): tile t covers rows tile_row[t] ..  + BM of group
-tile_group[t], masked at the group's end. Groups of 0 rows cost nothing.
+The grouped launch walks a tile list: tile t covers rows tile_row[t] .. + BM of group
+tile_group[t], masked at the group's end. Given ``sizes`` as a list of ints, the list is made on
+the host, one tile per BM rows of each group, and groups of 0 rows cost nothing. Given them as a
+tensor on the operands' device (a routing's counts), it is made there, with no host sync, so a
+CUDA graph can capture the launch: sized for the most tiles any split of the rows can need,
+the tiles past the live ones get an empty row range and their programs do no work.
+``contraction_grouped_mm`` takes its widths either way too.
 
 On CUDA the tiles come through TMA descriptors (``_scaled_mm_tma_kernel``) where the
 operands' layout allows, else through pointers (``_scaled_mm_kernel``, also the interpreter's path).
@@ -122,6 +126,7 @@ def _scaled_mm_kernel(a_ptr, b_ptr, c_ptr, alpha_ptr, tile_group_ptr, tile_row_p
                                     GROUPED, BM, BN, GROUP_M)
     if GROUPED:
         b_ptr += g.to(tl.int64) * s_bg
+        K = tl.where(row0 < row_end, K, 0)  # a tile past a device-made list's live ones: no work
     rm = row0 + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     # rows and columns past the end read a valid one (clamped) and are never stored: no load masks
@@ -165,6 +170,8 @@ def _scaled_mm_tma_kernel(a_desc, b_desc, c_ptr, alpha_ptr, tile_group_ptr, tile
                                     GROUPED, BM, BN, GROUP_M)
     b_row0 = g * b_group_rows
     n0 = pid_n * BN
+    if GROUPED:
+        K = tl.where(row0 < row_end, K, 0)  # a tile past a device-made list's live ones: no work
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, K, BK):
         a = a_desc.load([row0, k0])
@@ -266,22 +273,8 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, alpha: torch.Tensor, *,
     return out
 
 
-def grouped_scaled_mm(a: torch.Tensor, b: torch.Tensor, sizes: Sequence[int], alpha: torch.Tensor, *,
-                      out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """a: [S, K] bf16 (groups' rows back to back), b: [G, N, K] bf16, sizes: G ints summing to S,
-    alpha: [G] (or []) fp32 -> [S, N]: rows of group g are alpha[g] * (a_g @ b[g]^T)."""
-    _check(a, b, out_dtype, alpha)
-    sizes = [int(s) for s in sizes]
-    if a.dim() != 2 or b.dim() != 3 or len(sizes) != b.shape[0] or sum(sizes) != a.shape[0] or min(sizes, default=0) < 0:
-        raise ValueError(f"grouped_scaled_mm: a {tuple(a.shape)}, b {tuple(b.shape)} and sizes {sizes} do not "
-                         "match (a: [S, K], b: [G, N, K], G sizes >= 0 summing to S)")
-    if alpha.numel() not in (1, len(sizes)):
-        raise ValueError(f"alpha must hold 1 or {len(sizes)} values, got {alpha.numel()}")
-    (s, k), n = a.shape, b.shape[1]
-    out, done = _output(s, n, k, out_dtype, a.device)
-    if done:
-        return out
-    bm = _tile_shape()[0]  # the launch's row tile: the tile list is cut to it
+def _host_tiles(sizes: list[int], bm: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """(tile_group, tile_row, group_end) for the groups' rows, one tile per bm rows of each group."""
     tile_group, tile_row, ends, start = [], [], [], 0
     for g, size in enumerate(sizes):
         rows = range(start, start + size, bm)
@@ -289,25 +282,76 @@ def grouped_scaled_mm(a: torch.Tensor, b: torch.Tensor, sizes: Sequence[int], al
         tile_row += list(rows)
         start += size
         ends.append(start)
-    tiles = torch.tensor([tile_group, tile_row], dtype=torch.int32).to(a.device, non_blocking=True)
-    group_end = torch.tensor(ends, dtype=torch.int32).to(a.device, non_blocking=True)
+    tiles = torch.tensor([tile_group, tile_row], dtype=torch.int32).to(device, non_blocking=True)
+    return tiles[0], tiles[1], torch.tensor(ends, dtype=torch.int32).to(device, non_blocking=True)
+
+
+def _device_tiles(sizes: torch.Tensor, rows: int, bm: int) -> tuple[torch.Tensor, ...]:
+    """The same list made from device sizes without reading them: sum(ceil(size / bm)) is at most
+    (rows + G (bm - 1)) // bm for any G sizes summing to rows, so that many tiles; tile t belongs
+    to the first group whose tiles end past t; a tile past the last live one gets group G - 1 and
+    an empty range (first row = the group's end). Sizes are clamped to the rows, so a wrong
+    count cannot make the kernel read outside a."""
+    g = sizes.numel()
+    ends = sizes.to(torch.int64).clamp_min(0).cumsum(0).clamp_max(rows)
+    sizes = ends - torch.cat([ends.new_zeros(1), ends[:-1]])
+    per = (sizes + bm - 1) // bm
+    tiles_end = per.cumsum(0)
+    t = torch.arange((rows + g * (bm - 1)) // bm, device=sizes.device)
+    group = torch.searchsorted(tiles_end, t, right=True).clamp_max(g - 1)
+    row = ends[group] - sizes[group] + (t - tiles_end[group] + per[group]) * bm
+    row = torch.where(t < tiles_end[-1], row, ends[-1])
+    return group.to(torch.int32), row.to(torch.int32), ends.to(torch.int32)
+
+
+def _counts(sizes, groups: int, device: torch.device, what: str) -> list[int] | torch.Tensor:
+    """A list of ints, or an integer tensor of ``groups`` entries on the operands' device (kept there)."""
+    if not isinstance(sizes, torch.Tensor):
+        return [int(v) for v in sizes]
+    if sizes.dim() != 1 or sizes.numel() != groups or not groups or sizes.device != device or sizes.is_floating_point():
+        raise ValueError(f"{what} as a tensor must be {groups} integers on {device}, got {tuple(sizes.shape)} "
+                         f"{sizes.dtype} on {sizes.device}")
+    return sizes
+
+
+def grouped_scaled_mm(a: torch.Tensor, b: torch.Tensor, sizes: Sequence[int] | torch.Tensor, alpha: torch.Tensor, *,
+                      out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """a: [S, K] bf16 (groups' rows back to back), b: [G, N, K] bf16, sizes: G ints summing to S
+    (a list, or a tensor on a's device: not read on the host, so they are trusted to sum to S),
+    alpha: [G] (or []) fp32 -> [S, N]: rows of group g are alpha[g] * (a_g @ b[g]^T)."""
+    _check(a, b, out_dtype, alpha)
+    if a.dim() != 2 or b.dim() != 3:
+        raise ValueError(f"grouped_scaled_mm takes a [S, K] and b [G, N, K], got {tuple(a.shape)} and {tuple(b.shape)}")
+    sizes = _counts(sizes, b.shape[0], a.device, "sizes")
+    if isinstance(sizes, list) and (len(sizes) != b.shape[0] or sum(sizes) != a.shape[0] or min(sizes, default=0) < 0):
+        raise ValueError(f"grouped_scaled_mm: a {tuple(a.shape)}, b {tuple(b.shape)} and sizes {sizes} do not "
+                         "match (a: [S, K], b: [G, N, K], G sizes >= 0 summing to S)")
+    if alpha.numel() not in (1, b.shape[0]):
+        raise ValueError(f"alpha must hold 1 or {b.shape[0]} values, got {alpha.numel()}")
+    (s, k), n = a.shape, b.shape[1]
+    out, done = _output(s, n, k, out_dtype, a.device)
+    if done:
+        return out
+    bm = _tile_shape()[0]  # the launch's row tile: the tile list is cut to it
+    tiles = _device_tiles(sizes, s, bm) if isinstance(sizes, torch.Tensor) else _host_tiles(sizes, bm, a.device)
     s_alpha = 1 if alpha.numel() > 1 else 0
-    _launch(a, b, out, alpha.reshape(-1).contiguous(), lambda _bm, bn: (len(tile_group) * triton.cdiv(n, bn),),
-            (tiles[0], tiles[1], group_end), s, n, k, b.stride(0), s_alpha, True)
+    _launch(a, b, out, alpha.reshape(-1).contiguous(), lambda _bm, bn: (tiles[0].numel() * triton.cdiv(n, bn),),
+            tiles, s, n, k, b.stride(0), s_alpha, True)
     return out
 
 
-def contraction_grouped_mm(a: torch.Tensor, b: torch.Tensor, widths: Sequence[int], alpha: torch.Tensor, *,
-                           out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """a: [M, S] bf16, b: [N, S] bf16 (any strides), widths: G ints >= 0 summing to S, alpha: [G]
-    fp32 -> [G, M, N]: out[g] = alpha[g] * (a_g @ b_g^T), a_g and b_g group g's columns; each is
-    what scaled_mm(a_g, b_g, alpha[g]) computes (a group of width 0 gives zeros, whatever alpha)."""
+def contraction_grouped_mm(a: torch.Tensor, b: torch.Tensor, widths: Sequence[int] | torch.Tensor,
+                           alpha: torch.Tensor, *, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """a: [M, S] bf16, b: [N, S] bf16 (any strides), widths: G ints >= 0 summing to S (a list, or a
+    tensor on a's device, trusted as grouped_scaled_mm's sizes), alpha: [G] fp32 -> [G, M, N]:
+    out[g] = alpha[g] * (a_g @ b_g^T), a_g and b_g group g's columns; each is what
+    scaled_mm(a_g, b_g, alpha[g]) computes (a group of width 0 gives zeros, whatever alpha)."""
     _check(a, b, out_dtype, alpha)
-    widths = [int(w) for w in widths]
-    if a.dim() != 2 or b.dim() != 2 or sum(widths) != a.shape[1] or min(widths, default=0) < 0:
+    widths = _counts(widths, alpha.numel(), a.device, "widths")
+    if a.dim() != 2 or b.dim() != 2 or isinstance(widths, list) and (sum(widths) != a.shape[1] or min(widths, default=0) < 0):
         raise ValueError(f"contraction_grouped_mm: a {tuple(a.shape)}, b {tuple(b.shape)} and widths {widths} do not "
                          "match (a: [M, S], b: [N, S], widths >= 0 summing to S)")
-    if alpha.numel() != len(widths):
+    if alpha.numel() != len(widths):  # a tensor's length was checked against alpha's
         raise ValueError(f"alpha must hold {len(widths)} values, got {alpha.numel()}")
     (m, _), n = a.shape, b.shape[0]
     out = torch.empty(len(widths), m, n, dtype=out_dtype, device=a.device)
@@ -315,14 +359,25 @@ def contraction_grouped_mm(a: torch.Tensor, b: torch.Tensor, widths: Sequence[in
         return out
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     bm, bn, bk = _tile_shape() if interpreted else (_WGRAD_BM, _WGRAD_BN, _BK)
-    starts = [0, *itertools.accumulate(widths)][:-1]
-    segments = torch.tensor([starts, widths], dtype=torch.int32).to(a.device, non_blocking=True)
+    if isinstance(widths, list):
+        starts = [0, *itertools.accumulate(widths)][:-1]
+        segments = torch.tensor([starts, widths], dtype=torch.int32).to(a.device, non_blocking=True)
+        even_k = all(w % bk == 0 for w in widths)
+    else:  # on the device, clamped to the columns as _device_tiles clamps rows
+        ends = widths.to(torch.int64).clamp_min(0).cumsum(0).clamp_max(a.shape[1])
+        starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+        segments = torch.stack([starts, ends - starts]).to(torch.int32)
+        even_k = False  # unknown here; masks that are all true give the unmasked path's bits
     grid = (len(widths) * triton.cdiv(m, bm) * triton.cdiv(n, bn),)
     _contraction_grouped_kernel[grid](a, b, out, alpha.reshape(-1).contiguous(), segments[0], segments[1], m, n,
                                       a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0),
                                       out.stride(1), out.stride(2), BF16_OUT=out_dtype == torch.bfloat16,
-                                      EVEN_K=all(w % bk == 0 for w in widths), DOT_F32=interpreted,
+                                      EVEN_K=even_k, DOT_F32=interpreted,
                                       BM=bm, BN=bn, BK=bk, num_warps=_WGRAD_WARPS, num_stages=_WGRAD_STAGES)
-    if empty := [g for g, w in enumerate(widths) if w == 0]:  # as scaled_mm at K = 0 (not alpha * 0: inf * 0)
-        out[empty] = 0
+    # a group of width 0 gives zeros, as scaled_mm at K = 0 (not alpha * 0: inf * 0)
+    if isinstance(widths, list):
+        if empty := [g for g, w in enumerate(widths) if w == 0]:
+            out[empty] = 0
+    else:
+        out.masked_fill_((segments[1] == 0)[:, None, None], 0)
     return out

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 pytest.importorskip("triton")
 
@@ -144,3 +145,67 @@ def test_bad_arguments_are_refused():
         contraction_grouped_mm(a, b, [16, 8], torch.ones(2))
     with pytest.raises(ValueError, match="alpha must hold"):
         contraction_grouped_mm(a, b, [16, 16], torch.ones(3))
+    for bad in (torch.tensor([4.0, 4.0]), torch.tensor([8]), torch.tensor([[4, 4]])):  # device counts: float, short, 2D
+        with pytest.raises(ValueError, match="as a tensor must be 2 integers"):
+            grouped_scaled_mm(a, b[None].expand(2, 8, 32), bad, torch.ones(2))
+    with pytest.raises(ValueError, match="widths as a tensor must be 2 integers"):
+        contraction_grouped_mm(a, b, torch.tensor([16]), torch.ones(2))
+
+
+_COUNTS = st.lists(st.integers(0, 70), min_size=1, max_size=6).filter(sum)
+
+
+@settings(max_examples=25, deadline=None)
+@given(sizes=_COUNTS, seed=st.integers(0, 2**16))
+def test_device_counts_give_the_host_lists_bits(sizes, seed):
+    """A routing's counts on the device (a tile list made there, sized for any split, no host
+    read: what a CUDA graph can capture) give the bits of the same counts as a list, for the
+    grouped GEMM (fprop, dgrad) and the contraction (wgrad), empty groups included."""
+    g = torch.Generator().manual_seed(seed)
+    s, k, n = sum(sizes), 40, 24
+    a = torch.randn(s, k, generator=g).bfloat16().to(DEVICE)
+    b = torch.randn(len(sizes), n, k, generator=g).bfloat16().to(DEVICE)
+    alpha = (torch.rand(len(sizes), generator=g) + 0.5).to(DEVICE)
+    counts = torch.tensor(sizes, device=DEVICE)
+    assert torch.equal(grouped_scaled_mm(a, b, counts, alpha), grouped_scaled_mm(a, b, sizes, alpha))
+    x, dy = torch.randn(k, s, generator=g).bfloat16().to(DEVICE), torch.randn(n, s, generator=g).bfloat16().to(DEVICE)
+    alpha[[e for e, w in enumerate(sizes) if w == 0]] = float("inf")  # an empty group is zeros either way
+    assert torch.equal(contraction_grouped_mm(x, dy, counts, alpha), contraction_grouped_mm(x, dy, sizes, alpha))
+
+
+@settings(max_examples=200, deadline=None)
+@given(sizes=_COUNTS, bm=st.sampled_from([16, 32, 256]))
+def test_a_device_tile_list_is_the_host_list_then_empty_tiles(sizes, bm):
+    """The device list's live tiles are the host list's, in order; the rest (the bound covers any
+    split of the rows) have an empty row range, so their programs store nothing."""
+    group, row, end = matmul._host_tiles(sizes, bm, torch.device("cpu"))
+    d_group, d_row, d_end = matmul._device_tiles(torch.tensor(sizes), sum(sizes), bm)
+    live = group.numel()
+    assert d_group.numel() >= live and torch.equal(d_end, end)
+    assert torch.equal(d_group[:live], group) and torch.equal(d_row[:live], row)
+    assert bool((d_row[live:] >= d_end[d_group[live:].long()]).all())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_grouped_gemms_on_device_counts_are_captured_and_replay_new_counts():
+    """Captured once, the launches replay with other counts written into the same tensor (the
+    routing of a later step): each replay gives the eager list path's bits."""
+    g = torch.Generator().manual_seed(9)
+    s, k, n, e = 1000, 256, 128, 8
+    a, b = torch.randn(s, k, generator=g).bfloat16().cuda(), torch.randn(e, n, k, generator=g).bfloat16().cuda()
+    x, dy = torch.randn(k, s, generator=g).bfloat16().cuda(), torch.randn(n, s, generator=g).bfloat16().cuda()
+    alpha = (torch.rand(e, generator=g) + 0.5).cuda()
+    counts = torch.full((e,), s // e, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up (compiles) off the capture
+        grouped_scaled_mm(a, b, counts, alpha), contraction_grouped_mm(x, dy, counts, alpha)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, wgrad = grouped_scaled_mm(a, b, counts, alpha), contraction_grouped_mm(x, dy, counts, alpha)
+    for sizes in ([s // e] * e, [0, 300, 0, 0, 1, 699, 0, 0], [s] + [0] * (e - 1)):
+        counts.copy_(torch.tensor(sizes))
+        graph.replay()
+        assert torch.equal(out, grouped_scaled_mm(a, b, sizes, alpha))
+        assert torch.equal(wgrad, contraction_grouped_mm(x, dy, sizes, alpha))
