@@ -704,16 +704,53 @@ def block_values_pair(x: torch.Tensor, fmt: Format, *, rows: dict, columns: dict
             BlockValues(cols_v.view(torch.bfloat16), scales[1], k, fmt))
 
 
-def grouped_block_values(x: torch.Tensor, fmt: Format, sizes: list[int], seeds: list[int], *,
+def _device_counts(counts: torch.Tensor, groups: int, x: torch.Tensor, what: str) -> torch.Tensor:
+    """A routing's counts kept on the device, as int64 (checked in form only: reading their values
+    would sync the host, so they are trusted to sum to x's rows)."""
+    if counts.dim() != 1 or counts.numel() != groups or not groups or counts.device != x.device \
+            or counts.is_floating_point():
+        raise ValueError(f"{what} as a tensor must be {groups} integers (one per seed) on {x.device}, got "
+                         f"{tuple(counts.shape)} {counts.dtype} on {counts.device}")
+    return counts.to(torch.int64)
+
+
+def _group_seeds(seeds: list[int] | torch.Tensor, draws: bool, device: torch.device) -> torch.Tensor:
+    """G seeds where a grouped launch reads them, with no host-to-device copy where it can do
+    without (what a CUDA graph captures): a tensor of kernel seeds is used as it is (a SeedTable's
+    slots, refilled before each replay); a launch that draws nothing gets zeros made on the
+    device; a list of ints is copied over (eager runs)."""
+    if isinstance(seeds, torch.Tensor):
+        if seeds.dim() != 1 or seeds.dtype != torch.int64 or seeds.device != device:
+            raise ValueError(f"seeds as a tensor must be int64 kernel seeds on {device}, got {tuple(seeds.shape)} "
+                             f"{seeds.dtype} on {seeds.device}")
+        return seeds
+    if not draws:
+        return torch.zeros(len(seeds), dtype=torch.int64, device=device)
+    return torch.tensor([_kernel_seed(v) for v in seeds], dtype=torch.int64).to(device, non_blocking=True)
+
+
+def grouped_block_values(x: torch.Tensor, fmt: Format, sizes: list[int] | torch.Tensor,
+                         seeds: list[int] | torch.Tensor, *,
                          block: int | tuple[int, int] = 16, rounding: str | Rounding = Rounding.RTNE,
                          profile: str | NVFP4Profile = NVFP4Profile.TE, mode: str | MXScaleMode = MXScaleMode.FLOOR,
                          pad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """x: [R, L] bf16/fp32, groups of ``sizes`` rows back to back (each > 0; a multiple of 16 for
     16x16 blocks), one seed per group -> (values [R, Lp] bf16, S_dec [G] fp32 or None for MXFP4):
-    group g's rows are block_values of quantizing it alone along L with seed ``seeds[g]``."""
+    group g's rows are block_values of quantizing it alone along L with seed ``seeds[g]``.
+    ``sizes`` may be a tensor on x's device (a routing's counts, never read on the host: a CUDA
+    graph can capture the launch), where groups may be empty; then ``seeds`` may be one too
+    (_group_seeds), and the blocks are 1 x n (16x16 tiles need their groups' sizes checked)."""
     rounding = Rounding.parse(rounding)
     block2 = _nvfp4_block(block) if fmt is Format.NVFP4 else (1, MX_BLOCK)
     check_input(x, 1, block2, pad)
+    if isinstance(sizes, torch.Tensor):
+        counts = _device_counts(sizes, len(seeds), x, "sizes")
+        if x.dim() != 2 or x.shape[1] == 0 or block2[0] > 1:
+            raise ValueError(f"grouped_block_values: device counts take x [R, L > 0] in 1 x n blocks, got x "
+                             f"{tuple(x.shape)}, blocks {block2}")
+        seeds_t = _group_seeds(seeds, rounding is Rounding.STOCHASTIC, x.device)
+        return _grouped_rows(x.contiguous(), fmt, counts.cumsum(0) - counts, seeds_t, block2, rounding, profile,
+                             mode, pad)
     if x.dim() != 2 or x.shape[1] == 0 or len(sizes) != len(seeds) or sum(sizes) != x.shape[0] or min(sizes, default=1) <= 0 or (
             block2[0] > 1 and any(n % block2[0] for n in sizes)):
         raise ValueError(f"grouped_block_values: x {tuple(x.shape)} does not split into groups of {list(sizes)} "
@@ -723,12 +760,16 @@ def grouped_block_values(x: torch.Tensor, fmt: Format, sizes: list[int], seeds: 
     # one copy to the device: the groups' first rows, then their seeds
     meta = torch.cat([sizes_t.cumsum(0) - sizes_t,
                       torch.tensor([_seed(rounding, s) for s in seeds], dtype=torch.int64)]).to(x.device, non_blocking=True)
-    starts, seeds_t = meta[: len(sizes)], meta[len(sizes):]
-    grouped = (starts, seeds_t, seeds_t, len(sizes))
+    return _grouped_rows(x, fmt, meta[: len(sizes)], meta[len(sizes):], block2, rounding, profile, mode, pad)
+
+
+def _grouped_rows(x, fmt, starts, seeds_t, block2, rounding, profile, mode, pad):
+    """grouped_block_values' launches, given the groups' first rows and seeds on the device."""
+    grouped = (starts, seeds_t, seeds_t, starts.numel())
     stochastic = rounding is Rounding.STOCHASTIC
     if fmt is Format.NVFP4:
         amax = grouped_finite_amax(x, starts).view(torch.int32)
-        s_dec = torch.empty(len(sizes), dtype=torch.float32, device=x.device)  # written by the kernel
+        s_dec = torch.empty(starts.numel(), dtype=torch.float32, device=x.device)  # written by the kernel
         rule = NV_RULES[NVFP4Profile.parse(profile)]
         values, _, _ = _launch(x, 1, block2, pad, rule, amax, s_dec, stochastic, 0, out_values=True, grouped=grouped,
                                group_mode=ROW_GROUPS.value)
@@ -738,36 +779,50 @@ def grouped_block_values(x: torch.Tensor, fmt: Format, sizes: list[int], seeds: 
     return values.view(torch.bfloat16), None
 
 
-def grouped_column_block_values(x: torch.Tensor, fmt: Format, widths: list[int], seeds: list[int], *,
+def grouped_column_block_values(x: torch.Tensor, fmt: Format, widths: list[int] | torch.Tensor,
+                                seeds: list[int] | torch.Tensor, *,
                                 block: int | tuple[int, int] = 16, rounding: str | Rounding = Rounding.RTNE,
                                 profile: str | NVFP4Profile = NVFP4Profile.TE,
                                 mode: str | MXScaleMode = MXScaleMode.FLOOR, hadamard: str | HadamardSigns | None = None,
-                                hadamard_seeds: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                                hadamard_seeds: list[int] | torch.Tensor | None = None
+                                ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """x: [S, K] bf16/fp32, groups of ``widths`` rows back to back (each a positive multiple of
     32: wgrad's token axis, padded per MoE expert) -> (values [K, S] bf16, S_dec [G] fp32 or None):
     the columns of group g are block_values of quantizing its rows alone along axis 0 (1x16 or
     1x32 blocks) with seed ``seeds[g]``, rotated first when asked (``hadamard_seeds[g]`` for
-    random signs). One launch for the amax of every group (NVFP4), one for the values."""
+    random signs). One launch for the amax of every group (NVFP4), one for the values. ``widths``
+    may be a tensor on x's device (each expert's padded token count, never read on the host: a
+    CUDA graph can capture the launches; widths of 0 allowed), and the seeds then too, as in
+    grouped_block_values."""
     rounding = Rounding.parse(rounding)
     size = 16 if fmt is Format.NVFP4 else MX_BLOCK
     check_input(x, 0, (1, size), False)
     signs = None if hadamard is None else HadamardSigns.parse(hadamard)
     if fmt is Format.NVFP4 and _nvfp4_block(block) != (1, 16):
         raise ValueError(f"grouped_column_block_values takes 1x16 NVFP4 blocks, got {block}")
-    if (x.dim() != 2 or x.shape[1] == 0 or len(widths) != len(seeds) or sum(widths) != x.shape[0]
-            or any(w <= 0 or w % COL_GROUP_WIDTH for w in widths) or (signs is not None and (
+    on_device = isinstance(widths, torch.Tensor)
+    if on_device:
+        widths = _device_counts(widths, len(seeds), x, "widths")
+    if (x.dim() != 2 or x.shape[1] == 0 or len(widths) != len(seeds) or not on_device and (
+            sum(widths) != x.shape[0] or any(w <= 0 or w % COL_GROUP_WIDTH for w in widths)) or (signs is not None and (
                 x.dtype not in (torch.float32, torch.bfloat16) or (signs is HadamardSigns.TE and size != 16)))):
         raise ValueError(f"grouped_column_block_values: x {tuple(x.shape)} {x.dtype} does not split into groups "
                          f"of {list(widths)} rows (each a positive multiple of {COL_GROUP_WIDTH}) with "
                          f"{len(seeds)} seeds and rotation {hadamard}")
     x = x.contiguous()
-    widths_t = torch.tensor(widths, dtype=torch.int64)
-    h_seeds = [_kernel_seed(h) if signs is HadamardSigns.RANDOM else 0 for h in (hadamard_seeds or [0] * len(widths))]
-    meta = torch.cat([torch.cat([torch.zeros(1, dtype=torch.int64), widths_t.cumsum(0)]),
-                      torch.tensor([_seed(rounding, s) for s in seeds] + h_seeds, dtype=torch.int64)]
-                     ).to(x.device, non_blocking=True)  # no stream sync, as matmul's tile lists
     g = len(widths)
-    grouped = (meta[: g + 1], meta[g + 1: 2 * g + 1], meta[2 * g + 1:], g)
+    if on_device:
+        edges = torch.cat([widths.new_zeros(1), widths.cumsum(0)])
+        h_seeds = [0] * g if hadamard_seeds is None else hadamard_seeds
+        grouped = (edges, _group_seeds(seeds, rounding is Rounding.STOCHASTIC, x.device),
+                   _group_seeds(h_seeds, signs is HadamardSigns.RANDOM, x.device), g)
+    else:
+        widths_t = torch.tensor(widths, dtype=torch.int64)
+        h_seeds = [_kernel_seed(h) if signs is HadamardSigns.RANDOM else 0 for h in (hadamard_seeds or [0] * g)]
+        meta = torch.cat([torch.cat([torch.zeros(1, dtype=torch.int64), widths_t.cumsum(0)]),
+                          torch.tensor([_seed(rounding, s) for s in seeds] + h_seeds, dtype=torch.int64)]
+                         ).to(x.device, non_blocking=True)  # no stream sync, as matmul's tile lists
+        grouped = (meta[: g + 1], meta[g + 1: 2 * g + 1], meta[2 * g + 1:], g)
     rotation = NO_ROTATION.value if signs is None else HADAMARD_RULES[signs]
     stochastic = rounding is Rounding.STOCHASTIC
     if fmt is Format.NVFP4:

@@ -231,6 +231,72 @@ def test_grouped_quantize_is_each_group_quantized_alone(case, sizes, length, see
         assert_same_values(got, alone)
 
 
+_COUNTS = st.lists(st.integers(0, 40), min_size=1, max_size=5).filter(sum)
+
+
+def _kernel_seeds(seeds):
+    from fp4lab.kernels.quantize import _kernel_seed
+    return torch.tensor([_kernel_seed(s) for s in seeds], dtype=torch.int64, device=DEVICE)
+
+
+@settings(max_examples=15, deadline=None)
+@given(case=st.sampled_from([c for c in GROUPED_CASES if c[1].get("block", (1, 16))[0] == 1]), sizes=_COUNTS,
+       length=st.integers(1, 70), seed=st.integers(0, 1000), sr=st.booleans())
+def test_device_counts_quantize_as_the_listed_live_groups(case, sizes, length, seed, sr):
+    """A routing's counts kept on the device (empty experts included, never read on the host: what
+    a CUDA graph can capture) and device seeds give the bytes of the same groups listed on the
+    host, the empty ones left out."""
+    from fp4lab.kernels.quantize import grouped_block_values
+    fmt, knobs = formats.Format(case[0]), dict(case[1])
+    x = hard_input((sum(sizes), length), seed, torch.bfloat16).to(DEVICE)
+    seeds, live = [seed * 31 + g for g in range(len(sizes))], [g for g, n in enumerate(sizes) if n]
+    kw = dict(rounding="stochastic" if sr else "rtne", pad=True, **knobs)
+    values, s_dec = grouped_block_values(x, fmt, torch.tensor(sizes, device=DEVICE), _kernel_seeds(seeds), **kw)
+    want, want_s = grouped_block_values(x, fmt, [sizes[g] for g in live], [seeds[g] for g in live], **kw)
+    assert torch.equal(values.view(torch.int16), want.view(torch.int16))
+    assert (s_dec is None) == (want_s is None) and (s_dec is None or torch.equal(s_dec[live], want_s))
+    assert torch.equal(grouped_block_values(x, fmt, torch.tensor(sizes, device=DEVICE), seeds, **kw)[0].view(torch.int16),
+                       want.view(torch.int16))  # seeds listed on the host: copied over, the same draws
+
+
+@settings(max_examples=15, deadline=None)
+@given(fmt=st.sampled_from(["nvfp4", "mxfp4"]), widths=st.lists(st.integers(0, 2), min_size=1, max_size=4).filter(sum),
+       cols=st.integers(1, 40), seed=st.integers(0, 1000), sr=st.booleans(),
+       hadamard=st.sampled_from([None, "random", "te"]))
+def test_device_widths_quantize_columns_as_the_listed_live_groups(fmt, widths, cols, seed, sr, hadamard):
+    """wgrad's operands with each expert's padded token count on the device (0 for an expert with
+    no tokens) and device seeds: the bytes of the listed live groups."""
+    from fp4lab.kernels.quantize import grouped_column_block_values
+    if fmt == "mxfp4" and hadamard == "te":
+        hadamard = "random"
+    widths = [32 * w for w in widths]
+    x = hard_input((sum(widths), cols), seed, torch.bfloat16).to(DEVICE)
+    seeds, h_seeds = [seed + g for g in range(len(widths))], [seed * 7 + g for g in range(len(widths))]
+    live = [g for g, w in enumerate(widths) if w]
+    kw = dict(rounding="stochastic" if sr else "rtne", hadamard=hadamard)
+    values, s_dec = grouped_column_block_values(x, formats.Format(fmt), torch.tensor(widths, device=DEVICE),
+                                                _kernel_seeds(seeds), hadamard_seeds=_kernel_seeds(h_seeds), **kw)
+    want, want_s = grouped_column_block_values(x, formats.Format(fmt), [widths[g] for g in live],
+                                               [seeds[g] for g in live], hadamard_seeds=[h_seeds[g] for g in live], **kw)
+    assert torch.equal(values.view(torch.int16), want.view(torch.int16))
+    assert (s_dec is None) == (want_s is None) and (s_dec is None or torch.equal(s_dec[live], want_s))
+
+
+def test_device_counts_are_refused_in_a_form_that_cannot_be_right():
+    from fp4lab.kernels.quantize import grouped_block_values, grouped_column_block_values
+    x, nv = torch.randn(32, 32, device=DEVICE), formats.Format.NVFP4
+    for counts in (torch.tensor([16.0, 16.0], device=DEVICE), torch.tensor([32], device=DEVICE)):
+        with pytest.raises(ValueError, match="sizes as a tensor must be 2 integers"):
+            grouped_block_values(x, nv, counts, [1, 2])
+        with pytest.raises(ValueError, match="widths as a tensor must be 2 integers"):
+            grouped_column_block_values(x, nv, counts, [1, 2])
+    with pytest.raises(ValueError, match="1 x n blocks"):  # 16x16 tiles need their groups' sizes checked
+        grouped_block_values(x, nv, torch.tensor([16, 16], device=DEVICE), [1, 2], block=(16, 16))
+    with pytest.raises(ValueError, match="int64 kernel seeds"):
+        grouped_block_values(x, nv, torch.tensor([16, 16], device=DEVICE), torch.tensor([1, 2], dtype=torch.int32),
+                             rounding="stochastic")
+
+
 def test_grouped_amax_is_each_groups_amax():
     from fp4lab.kernels.amax import grouped_finite_amax
     x = hard_input((90, 48), 3)
