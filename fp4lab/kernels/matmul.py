@@ -304,21 +304,27 @@ def _device_tiles(sizes: torch.Tensor, rows: int, bm: int) -> tuple[torch.Tensor
     return group.to(torch.int32), row.to(torch.int32), ends.to(torch.int32)
 
 
-def _counts(sizes, groups: int, device: torch.device, what: str) -> list[int] | torch.Tensor:
-    """A list of ints, or an integer tensor of ``groups`` entries on the operands' device (kept there)."""
-    if not isinstance(sizes, torch.Tensor):
+
+
+def _counts(sizes, groups: int | None, device: torch.device, what: str) -> list[int] | torch.Tensor:
+    """A list of ints (from any iterable, a CPU tensor with device operands included), or an
+    integer tensor of ``groups`` entries (any number if None) on the operands' device, kept there."""
+    if not isinstance(sizes, torch.Tensor) or (sizes.device.type == "cpu" and device.type != "cpu"):
         return [int(v) for v in sizes]
-    if sizes.dim() != 1 or sizes.numel() != groups or not groups or sizes.device != device or sizes.is_floating_point():
-        raise ValueError(f"{what} as a tensor must be {groups} integers on {device}, got {tuple(sizes.shape)} "
-                         f"{sizes.dtype} on {sizes.device}")
+    if sizes.dim() != 1 or not sizes.numel() or groups not in (None, sizes.numel()) or sizes.device != device \
+            or sizes.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{what} as a tensor must be {groups or 'one or more'} int32/int64 counts on {device}, got "
+                         f"{tuple(sizes.shape)} {sizes.dtype} on {sizes.device}")
     return sizes
 
 
 def grouped_scaled_mm(a: torch.Tensor, b: torch.Tensor, sizes: Sequence[int] | torch.Tensor, alpha: torch.Tensor, *,
                       out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """a: [S, K] bf16 (groups' rows back to back), b: [G, N, K] bf16, sizes: G ints summing to S
-    (a list, or a tensor on a's device: not read on the host, so they are trusted to sum to S),
-    alpha: [G] (or []) fp32 -> [S, N]: rows of group g are alpha[g] * (a_g @ b[g]^T)."""
+    """a: [S, K] bf16 (groups' rows back to back), b: [G, N, K] bf16, sizes: G ints summing to S,
+    alpha: [G] (or []) fp32 -> [S, N]: rows of group g are alpha[g] * (a_g @ b[g]^T). Sizes given
+    as a tensor on a's device are not read on the host, so they are trusted: negative ones count
+    as 0, reads stop at S, and where they sum to less than S the rows past their sum are left
+    unwritten."""
     _check(a, b, out_dtype, alpha)
     if a.dim() != 2 or b.dim() != 3:
         raise ValueError(f"grouped_scaled_mm takes a [S, K] and b [G, N, K], got {tuple(a.shape)} and {tuple(b.shape)}")
@@ -343,15 +349,16 @@ def grouped_scaled_mm(a: torch.Tensor, b: torch.Tensor, sizes: Sequence[int] | t
 def contraction_grouped_mm(a: torch.Tensor, b: torch.Tensor, widths: Sequence[int] | torch.Tensor,
                            alpha: torch.Tensor, *, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """a: [M, S] bf16, b: [N, S] bf16 (any strides), widths: G ints >= 0 summing to S (a list, or a
-    tensor on a's device, trusted as grouped_scaled_mm's sizes), alpha: [G] fp32 -> [G, M, N]:
+    tensor on a's device, trusted as grouped_scaled_mm's sizes: reads stop at S), alpha: [G] fp32 -> [G, M, N]:
     out[g] = alpha[g] * (a_g @ b_g^T), a_g and b_g group g's columns; each is what
     scaled_mm(a_g, b_g, alpha[g]) computes (a group of width 0 gives zeros, whatever alpha)."""
     _check(a, b, out_dtype, alpha)
-    widths = _counts(widths, alpha.numel(), a.device, "widths")
-    if a.dim() != 2 or b.dim() != 2 or isinstance(widths, list) and (sum(widths) != a.shape[1] or min(widths, default=0) < 0):
+    widths = _counts(widths, None, a.device, "widths")
+    listed = isinstance(widths, list)
+    if a.dim() != 2 or b.dim() != 2 or listed and (sum(widths) != a.shape[1] or min(widths, default=0) < 0):
         raise ValueError(f"contraction_grouped_mm: a {tuple(a.shape)}, b {tuple(b.shape)} and widths {widths} do not "
                          "match (a: [M, S], b: [N, S], widths >= 0 summing to S)")
-    if alpha.numel() != len(widths):  # a tensor's length was checked against alpha's
+    if alpha.numel() != len(widths):
         raise ValueError(f"alpha must hold {len(widths)} values, got {alpha.numel()}")
     (m, _), n = a.shape, b.shape[0]
     out = torch.empty(len(widths), m, n, dtype=out_dtype, device=a.device)
@@ -359,7 +366,7 @@ def contraction_grouped_mm(a: torch.Tensor, b: torch.Tensor, widths: Sequence[in
         return out
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     bm, bn, bk = _tile_shape() if interpreted else (_WGRAD_BM, _WGRAD_BN, _BK)
-    if isinstance(widths, list):
+    if listed:
         starts = [0, *itertools.accumulate(widths)][:-1]
         segments = torch.tensor([starts, widths], dtype=torch.int32).to(a.device, non_blocking=True)
         even_k = all(w % bk == 0 for w in widths)
@@ -375,7 +382,7 @@ def contraction_grouped_mm(a: torch.Tensor, b: torch.Tensor, widths: Sequence[in
                                       EVEN_K=even_k, DOT_F32=interpreted,
                                       BM=bm, BN=bn, BK=bk, num_warps=_WGRAD_WARPS, num_stages=_WGRAD_STAGES)
     # a group of width 0 gives zeros, as scaled_mm at K = 0 (not alpha * 0: inf * 0)
-    if isinstance(widths, list):
+    if listed:
         if empty := [g for g, w in enumerate(widths) if w == 0]:
             out[empty] = 0
     else:

@@ -708,8 +708,8 @@ def _device_counts(counts: torch.Tensor, groups: int, x: torch.Tensor, what: str
     """A routing's counts kept on the device, as int64 (checked in form only: reading their values
     would sync the host, so they are trusted to sum to x's rows)."""
     if counts.dim() != 1 or counts.numel() != groups or not groups or counts.device != x.device \
-            or counts.is_floating_point():
-        raise ValueError(f"{what} as a tensor must be {groups} integers (one per seed) on {x.device}, got "
+            or counts.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{what} as a tensor must be {groups} int32/int64 counts (one per seed) on {x.device}, got "
                          f"{tuple(counts.shape)} {counts.dtype} on {counts.device}")
     return counts.to(torch.int64)
 

@@ -311,20 +311,22 @@ def mean_flip_rate(receipt: Receipt) -> float:
 
 
 def _stiction(runs: StudyRuns) -> Verdict:
+    """Judged on the loss: random weight rounding closes part of RTNE's gap for either arm. The
+    flip rate is reported, not judged: the meter reads the codes around one optimizer step at
+    one step's random bits, where an update crosses a rounding threshold about as often under
+    RTNE as under dither or SR (each with probability ~ |update| / code step), so it cannot
+    separate the arms (results/README, stiction)."""
     arms = ("rtne", "dither", "sr")
     if not runs.has("bf16", *arms):
         return runs.missing("bf16", *arms)
-    parts, loss_verdicts, moved = [], [], []
-    for arm in ("dither", "sr"):
-        flips = _part(f"{arm} - rtne flips/step", runs.contrast({arm: 1, "rtne": -1}, mean_flip_rate), +1)
-        loss = _part(f"{arm} - rtne loss", runs.gap(arm, "rtne"), -1)
-        parts += [flips, loss]
-        loss_verdicts.append(loss[1])
-        moved.append(flips[1] == REPRODUCED and loss[1] == REPRODUCED)
-    text = "; ".join(p for p, _ in parts) + _diverged(runs)
-    if any(moved):
+    losses = [_part(f"{arm} - rtne loss", runs.gap(arm, "rtne"), -1) for arm in ("dither", "sr")]
+    flips = [f"{arm} - rtne flips/step {iv.text() if iv else 'n/a'} (not judged)"
+             for arm in ("dither", "sr") for iv in [runs.contrast({arm: 1, "rtne": -1}, mean_flip_rate)]]
+    text = "; ".join([p for p, _ in losses] + flips) + _diverged(runs)
+    verdicts = [v for _, v in losses]
+    if REPRODUCED in verdicts:
         return text, REPRODUCED
-    return text, CONTRADICTED if all(v == CONTRADICTED for v in loss_verdicts) else NOT_RESOLVED
+    return text, CONTRADICTED if all(v == CONTRADICTED for v in verdicts) else NOT_RESOLVED
 
 
 _PLAIN = "nvfp4_plain"

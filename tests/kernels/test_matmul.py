@@ -145,11 +145,14 @@ def test_bad_arguments_are_refused():
         contraction_grouped_mm(a, b, [16, 8], torch.ones(2))
     with pytest.raises(ValueError, match="alpha must hold"):
         contraction_grouped_mm(a, b, [16, 16], torch.ones(3))
-    for bad in (torch.tensor([4.0, 4.0]), torch.tensor([8]), torch.tensor([[4, 4]])):  # device counts: float, short, 2D
-        with pytest.raises(ValueError, match="as a tensor must be 2 integers"):
+    # device counts that are float, bool, too few, 2D
+    for bad in (torch.tensor([4.0, 4.0]), torch.tensor([True, True]), torch.tensor([8]), torch.tensor([[4, 4]])):
+        with pytest.raises(ValueError, match="as a tensor must be 2 int32/int64 counts"):
             grouped_scaled_mm(a, b[None].expand(2, 8, 32), bad, torch.ones(2))
-    with pytest.raises(ValueError, match="widths as a tensor must be 2 integers"):
-        contraction_grouped_mm(a, b, torch.tensor([16]), torch.ones(2))
+    with pytest.raises(ValueError, match="widths as a tensor must be one or more int32/int64 counts"):
+        contraction_grouped_mm(a, b, torch.tensor([16.0, 16.0]), torch.ones(2))
+    with pytest.raises(ValueError, match="alpha must hold 2 values"):
+        contraction_grouped_mm(a, b, torch.tensor([16, 16]), torch.ones(3))
 
 
 _COUNTS = st.lists(st.integers(0, 70), min_size=1, max_size=6).filter(sum)
@@ -173,6 +176,17 @@ def test_device_counts_give_the_host_lists_bits(sizes, seed):
     assert torch.equal(contraction_grouped_mm(x, dy, counts, alpha), contraction_grouped_mm(x, dy, sizes, alpha))
 
 
+@pytest.mark.parametrize("widths", [[64, 0, 128], [192], [0, 64, 0, 64, 0]])
+def test_device_widths_give_the_unmasked_contractions_bits(widths):
+    """Widths of whole BK tiles (32 interpreted, 64 on the GPU): the list path contracts without
+    masks (EVEN_K), the device path with masks that are all true, the same bits."""
+    g = torch.Generator().manual_seed(sum(widths))
+    x, dy = (torch.randn(n, sum(widths), generator=g).bfloat16().to(DEVICE) for n in (40, 24))
+    alpha = (torch.rand(len(widths), generator=g) + 0.5).to(DEVICE)
+    assert torch.equal(contraction_grouped_mm(x, dy, torch.tensor(widths, device=DEVICE), alpha),
+                       contraction_grouped_mm(x, dy, widths, alpha))
+
+
 @settings(max_examples=200, deadline=None)
 @given(sizes=_COUNTS, bm=st.sampled_from([16, 32, 256]))
 def test_a_device_tile_list_is_the_host_list_then_empty_tiles(sizes, bm):
@@ -191,7 +205,7 @@ def test_grouped_gemms_on_device_counts_are_captured_and_replay_new_counts():
     """Captured once, the launches replay with other counts written into the same tensor (the
     routing of a later step): each replay gives the eager list path's bits."""
     g = torch.Generator().manual_seed(9)
-    s, k, n, e = 1000, 256, 128, 8
+    s, k, n, e = 1024, 256, 128, 8  # widths of whole 64-column tiles below: the list path's EVEN_K
     a, b = torch.randn(s, k, generator=g).bfloat16().cuda(), torch.randn(e, n, k, generator=g).bfloat16().cuda()
     x, dy = torch.randn(k, s, generator=g).bfloat16().cuda(), torch.randn(n, s, generator=g).bfloat16().cuda()
     alpha = (torch.rand(e, generator=g) + 0.5).cuda()
@@ -204,7 +218,7 @@ def test_grouped_gemms_on_device_counts_are_captured_and_replay_new_counts():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out, wgrad = grouped_scaled_mm(a, b, counts, alpha), contraction_grouped_mm(x, dy, counts, alpha)
-    for sizes in ([s // e] * e, [0, 300, 0, 0, 1, 699, 0, 0], [s] + [0] * (e - 1)):
+    for sizes in ([s // e] * e, [0, 256, 0, 0, 64, 704, 0, 0], [0, 300, 0, 0, 1, 723, 0, 0], [s] + [0] * (e - 1)):
         counts.copy_(torch.tensor(sizes))
         graph.replay()
         assert torch.equal(out, grouped_scaled_mm(a, b, sizes, alpha))

@@ -255,8 +255,8 @@ def test_device_counts_quantize_as_the_listed_live_groups(case, sizes, length, s
     want, want_s = grouped_block_values(x, fmt, [sizes[g] for g in live], [seeds[g] for g in live], **kw)
     assert torch.equal(values.view(torch.int16), want.view(torch.int16))
     assert (s_dec is None) == (want_s is None) and (s_dec is None or torch.equal(s_dec[live], want_s))
-    assert torch.equal(grouped_block_values(x, fmt, torch.tensor(sizes, device=DEVICE), seeds, **kw)[0].view(torch.int16),
-                       want.view(torch.int16))  # seeds listed on the host: copied over, the same draws
+    listed_seeds, _ = grouped_block_values(x, fmt, torch.tensor(sizes, device=DEVICE), seeds, **kw)
+    assert torch.equal(listed_seeds.view(torch.int16), want.view(torch.int16))  # seeds copied over: the same draws
 
 
 @settings(max_examples=15, deadline=None)
@@ -276,8 +276,8 @@ def test_device_widths_quantize_columns_as_the_listed_live_groups(fmt, widths, c
     kw = dict(rounding="stochastic" if sr else "rtne", hadamard=hadamard)
     values, s_dec = grouped_column_block_values(x, formats.Format(fmt), torch.tensor(widths, device=DEVICE),
                                                 _kernel_seeds(seeds), hadamard_seeds=_kernel_seeds(h_seeds), **kw)
-    want, want_s = grouped_column_block_values(x, formats.Format(fmt), [widths[g] for g in live],
-                                               [seeds[g] for g in live], hadamard_seeds=[h_seeds[g] for g in live], **kw)
+    want, want_s = grouped_column_block_values(x, formats.Format(fmt), [widths[g] for g in live], [seeds[g] for g in live],
+                                               hadamard_seeds=[h_seeds[g] for g in live], **kw)
     assert torch.equal(values.view(torch.int16), want.view(torch.int16))
     assert (s_dec is None) == (want_s is None) and (s_dec is None or torch.equal(s_dec[live], want_s))
 
@@ -286,9 +286,9 @@ def test_device_counts_are_refused_in_a_form_that_cannot_be_right():
     from fp4lab.kernels.quantize import grouped_block_values, grouped_column_block_values
     x, nv = torch.randn(32, 32, device=DEVICE), formats.Format.NVFP4
     for counts in (torch.tensor([16.0, 16.0], device=DEVICE), torch.tensor([32], device=DEVICE)):
-        with pytest.raises(ValueError, match="sizes as a tensor must be 2 integers"):
+        with pytest.raises(ValueError, match="sizes as a tensor must be 2 int32/int64 counts"):
             grouped_block_values(x, nv, counts, [1, 2])
-        with pytest.raises(ValueError, match="widths as a tensor must be 2 integers"):
+        with pytest.raises(ValueError, match="widths as a tensor must be 2 int32/int64 counts"):
             grouped_column_block_values(x, nv, counts, [1, 2])
     with pytest.raises(ValueError, match="1 x n blocks"):  # 16x16 tiles need their groups' sizes checked
         grouped_block_values(x, nv, torch.tensor([16, 16], device=DEVICE), [1, 2], block=(16, 16))

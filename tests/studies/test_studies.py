@@ -257,9 +257,14 @@ def test_stiction_formats_and_fidelity_verdicts():
     finals = {"bf16": (3.0, 3.1, 3.05), "rtne": (3.2, 3.3, 3.25), "dither": (3.1, 3.21, 3.14),
               "sr": (3.25, 3.33, 3.3)}
     flips = {"rtne": (0.01, 0.011, 0.012), "dither": (0.03, 0.031, 0.033), "sr": (0.02, 0.022, 0.021)}
-    assert _verdict("stiction", finals, flips)[1] == REPRODUCED  # dither: more flips and a smaller gap
+    assert _verdict("stiction", finals, flips)[1] == REPRODUCED  # dither: a smaller gap
+    same = {arm: (0.01, 0.011, 0.012) for arm in flips}  # flips are reported, not judged
+    text, verdict = _verdict("stiction", finals, same)
+    assert verdict == REPRODUCED and "flips/step" in text and "(not judged)" in text
     finals["dither"] = (3.25, 3.36, 3.3)
-    assert _verdict("stiction", finals, flips)[1] == CONTRADICTED
+    assert _verdict("stiction", finals, flips)[1] == CONTRADICTED  # both arms' losses worse
+    finals["dither"] = (3.2, 3.31, 3.24)
+    assert _verdict("stiction", finals, flips)[1] == NOT_RESOLVED
     finals = {"nvfp4": (3.0, 3.1, 3.05), "mxfp4": (3.05, 3.14, 3.11)}
     text, verdict = _verdict("formats", finals)
     assert verdict == REPRODUCED and "out of reach" in text
