@@ -10,7 +10,8 @@ this is what a training run sees). Host-bound FP4 steps move ~30% between runs o
 that alternate the arms; a ratio is the median over rounds of the round's step over the same
 round's BF16 step, with the rounds' range beside it. Each arm runs eager and under torch.compile (the FP4 GEMMs
 as nn.ops custom ops); a compiled FP4 arm is compared with compiled BF16, as users run it. ``--modes graphed``
-adds the eager step captured in one CUDA graph (train.graphed; dense models, and BF16 MoE: FP4 experts sync),
+adds the eager step captured in one CUDA graph (train.graphed; MoE models too where the experts keep the
+routing's counts on the device: nn.moe.steps_keep_counts, e.g. BF16 experts and NVIDIA's recipe),
 against graphed BF16, and ``compiled_graphed`` the compiled one. An arm ``NAME:single`` is NAME
 with x and dy quantized one copy at a time (no pair kernel), timed beside NAME.
 Writes benchmarks/results/model.json (d12; other models model_<name>.json) and the matching keys

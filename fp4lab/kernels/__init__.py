@@ -63,8 +63,10 @@ def _warn_once(message: str) -> None:
         warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
-def uses_triton(x: torch.Tensor, backend: str | Backend | None = None) -> bool:
-    """Whether calls on ``x`` run Triton kernels under ``backend`` (None: FP4LAB_BACKEND, else auto)."""
+def uses_triton(x: torch.Tensor | torch.device, backend: str | Backend | None = None) -> bool:
+    """Whether calls on ``x`` (a tensor, or tensors on a device) run Triton kernels under
+    ``backend`` (None: FP4LAB_BACKEND, else auto)."""
+    device = x if isinstance(x, torch.device) else x.device
     choice = Backend.parse(backend or os.environ.get("FP4LAB_BACKEND", "auto"))
     if choice is Backend.REFERENCE:
         return False
@@ -73,13 +75,13 @@ def uses_triton(x: torch.Tensor, backend: str | Backend | None = None) -> bool:
     if choice is Backend.TRITON:
         if not has_triton:
             raise RuntimeError("backend='triton' needs the triton package (pip install triton)")
-        if not (x.is_cuda or interpreted):
-            raise RuntimeError(f"backend='triton' needs a CUDA tensor or TRITON_INTERPRET=1, got {x.device}")
+        if not (device.type == "cuda" or interpreted):
+            raise RuntimeError(f"backend='triton' needs a CUDA tensor or TRITON_INTERPRET=1, got {device}")
         return True
-    if x.is_cuda and not has_triton:
+    if device.type == "cuda" and not has_triton:
         _warn_once("triton is not installed: fp4lab uses its (slow) reference kernels on CUDA")
         return False
-    return x.is_cuda
+    return device.type == "cuda"
 
 
 FAST_QUANTIZERS: dict[Format, tuple[str, str]] = {
@@ -193,40 +195,59 @@ def _check_values_pair(a: BlockValues, b: BlockValues) -> None:
         raise ValueError(f"GEMM operands must share a format, got {a.format} and {b.format}")
 
 
-def quantize_grouped_values(x: torch.Tensor, fmt: str | Format, sizes: list[int], seeds: list[int], *,
-                            backend: str | Backend | None = None, **kwargs) -> GroupedValues:
+def quantize_grouped_values(x: torch.Tensor, fmt: str | Format, sizes: list[int] | torch.Tensor,
+                            seeds: list[int] | torch.Tensor, *, backend: str | Backend | None = None,
+                            **kwargs) -> GroupedValues:
     """x: [R, L], groups of ``sizes`` rows back to back (each > 0), one seed each -> every group
     quantized along L as quantize_values(x_g, fmt, seed=seeds[g], **kwargs) alone would: one
-    Triton launch for all of them (and one grouped amax pass), or a loop on the reference."""
+    Triton launch for all of them (and one grouped amax pass), or a loop on the reference.
+    On the Triton path ``sizes`` (then empty groups allowed) and ``seeds`` may be device tensors,
+    kept there (quantize.grouped_block_values: what a CUDA graph captures)."""
     spec = formats.spec_of(fmt)
     if uses_triton(x, backend):
         from .quantize import grouped_block_values
-        values, scales = grouped_block_values(x, spec.format, list(sizes), list(seeds), **kwargs)
-        return GroupedValues(values, scales, tuple(sizes), spec.format)
+        values, scales = grouped_block_values(x, spec.format, *(v if isinstance(v, torch.Tensor) else list(v)
+                                                                for v in (sizes, seeds)), **kwargs)
+        return GroupedValues(values, scales, _kept(sizes), spec.format)
+    sizes, seeds = _listed(sizes), _listed(seeds)
     parts = [BlockValues.of(spec.quantize(xg, axis=1, seed=seed, **kwargs))
-             for xg, seed in zip(x.split(list(sizes)), seeds)]
+             for xg, seed in zip(x.split(sizes), seeds)]
     scales = None if parts[0].tensor_scale is None else torch.stack([p.tensor_scale for p in parts])
     return GroupedValues(torch.cat([p.matrix for p in parts]), scales, tuple(sizes), spec.format)
 
 
-def quantize_grouped_columns(x: torch.Tensor, fmt: str | Format, widths: list[int], seeds: list[int], *,
-                             hadamard=None, hadamard_seeds: list[int] | None = None,
+def _kept(sizes: list[int] | torch.Tensor) -> tuple[int, ...] | torch.Tensor:
+    """GroupedValues.sizes: a tuple, or a device tensor kept as it is (never read on the host)."""
+    return sizes if isinstance(sizes, torch.Tensor) else tuple(sizes)
+
+
+def _listed(values: list[int] | torch.Tensor) -> list[int]:
+    """Host ints (the reference backend's loop reads them: a tensor is read here)."""
+    return values.tolist() if isinstance(values, torch.Tensor) else list(values)
+
+
+def quantize_grouped_columns(x: torch.Tensor, fmt: str | Format, widths: list[int] | torch.Tensor,
+                             seeds: list[int] | torch.Tensor, *, hadamard=None,
+                             hadamard_seeds: list[int] | torch.Tensor | None = None,
                              backend: str | Backend | None = None, **kwargs) -> GroupedValues:
     """x: [S, K], groups of ``widths`` rows back to back (each a positive multiple of 32) ->
     GroupedValues along axis 1 ([K, S]): group g's columns are quantize_values(x_g, fmt, axis=0,
     seed=seeds[g], hadamard=hadamard, hadamard_seed=hadamard_seeds[g], **kwargs) as alone (wgrad's
     operands of MoE experts, their tokens padded per expert): two Triton launches for all of
-    them, or a loop on the reference joined by one copy."""
+    them, or a loop on the reference joined by one copy. Device tensors as in
+    quantize_grouped_values (widths of 0 allowed on the Triton path)."""
     spec = formats.spec_of(fmt)
-    h_seeds = hadamard_seeds or [0] * len(widths)
+    h_seeds = [0] * len(widths) if hadamard_seeds is None else hadamard_seeds
     if uses_triton(x, backend):
         from .quantize import grouped_column_block_values
-        values, scales = grouped_column_block_values(x, spec.format, list(widths), list(seeds), hadamard=hadamard,
-                                                     hadamard_seeds=list(h_seeds), **kwargs)
-        return GroupedValues(values, scales, tuple(widths), spec.format, axis=1)
+        widths_, seeds_, h_seeds_ = (v if isinstance(v, torch.Tensor) else list(v) for v in (widths, seeds, h_seeds))
+        values, scales = grouped_column_block_values(x, spec.format, widths_, seeds_, hadamard=hadamard,
+                                                     hadamard_seeds=h_seeds_, **kwargs)
+        return GroupedValues(values, scales, _kept(widths), spec.format, axis=1)
     rotation = {} if hadamard is None else {"hadamard": hadamard}
+    widths, seeds, h_seeds = _listed(widths), _listed(seeds), _listed(h_seeds)
     parts = [BlockValues.of(spec.quantize(xg, axis=0, seed=seed, pad=False, hadamard_seed=h, **rotation, **kwargs))
-             for xg, seed, h in zip(x.split(list(widths)), seeds, h_seeds)]
+             for xg, seed, h in zip(x.split(widths), seeds, h_seeds)]
     return GroupedValues(torch.cat([p.matrix for p in parts], dim=1), _tensor_scales(parts), tuple(widths),
                          spec.format, axis=1)
 
@@ -243,6 +264,15 @@ def grouped_values_mm(a: list[BlockValues] | GroupedValues, b: list[BlockValues]
                 and len(set(b.sizes)) == 1):
             from .matmul import grouped_scaled_mm
             return grouped_scaled_mm(a.values, _stacked(b), a.sizes, _alphas(a, b), out_dtype=out_dtype)
+    if (isinstance(a, GroupedValues) and a.on_device and not isinstance(b, GroupedValues)
+            and uses_triton(a.values, backend) and out_dtype in (torch.float32, torch.bfloat16)):
+        # the rows' counts on the device (never read here), each B listed: stacked in one copy
+        from .matmul import grouped_scaled_mm
+        if any(vb.values.shape[1] != a.values.shape[1] or vb.format is not a.format for vb in b):
+            raise ValueError(f"grouped operands do not pair: A {tuple(a.values.shape)} {a.format}, B "
+                             f"{[(tuple(vb.values.shape), vb.format.value) for vb in b]}")
+        return grouped_scaled_mm(a.values, torch.stack([v.matrix for v in b]), a.sizes, _alphas(a, b),
+                                 out_dtype=out_dtype)
     a_list, b_list = _groups(a), _groups(b)
     if len(a_list) != len(b_list) or not a_list:
         raise ValueError(f"grouped_values_mm takes as many A as B operands (at least one), got {len(a_list)} "
@@ -297,9 +327,13 @@ def _stacked(b: GroupedValues) -> torch.Tensor:
 
 def _check_grouped_pair(a: GroupedValues, b: GroupedValues) -> None:
     """What _check_values_pair asks of every group's pair, asked once of two GroupedValues along
-    the same axis: as many groups, one format, one contraction length per group."""
-    contraction = (a.values.shape[1], b.values.shape[1]) if a.axis == 0 else (a.sizes, b.sizes)
-    if a.axis != b.axis or len(a.sizes) != len(b.sizes) or not a.sizes or contraction[0] != contraction[1]:
+    the same axis: as many groups, one format, one contraction length per group (device sizes:
+    the same tensor, as they are never read on the host)."""
+    if a.axis == 0:
+        same = a.values.shape[1] == b.values.shape[1]
+    else:
+        same = a.sizes is b.sizes if a.on_device or b.on_device else a.sizes == b.sizes
+    if a.axis != b.axis or len(a.sizes) != len(b.sizes) or not len(a.sizes) or not same:
         raise ValueError(f"grouped operands do not pair: {len(a.sizes)} and {len(b.sizes)} groups, "
                          f"values {tuple(a.values.shape)} and {tuple(b.values.shape)} along axis {a.axis}")
     if a.format is not b.format:

@@ -70,17 +70,23 @@ class GroupedValues:
     """Every group's block values in one bf16 tensor, the groups back to back along ``axis``."""
     tensor_scales: torch.Tensor | None
     """[G] fp32 S_dec per group (NVFP4), else None."""
-    sizes: tuple[int, ...]
+    sizes: tuple[int, ...] | torch.Tensor
+    """Each group's rows (axis 0) or columns (axis 1): host ints, or a device tensor of them (a
+    routing's counts, never read on the host: groups() and transposed() read them)."""
     format: Format
     axis: int = 0
     """0: group g is rows sizes[:g].sum() onwards of values [sum(sizes), Lp] (fprop's and dgrad's
     operands, blocks along each row); 1: group g is columns sizes[:g].sum() onwards of values
     [rows, sum(sizes)], every group holding all rows (wgrad's operands, blocks along the tokens)."""
 
+    @property
+    def on_device(self) -> bool:
+        return isinstance(self.sizes, torch.Tensor)
+
     def groups(self) -> list[BlockValues]:
-        """Each group's operand (views, no copy)."""
+        """Each group's operand (views, no copy; device sizes are read here)."""
         out, start = [], 0
-        for g, size in enumerate(self.sizes):
+        for g, size in enumerate(self.sizes.tolist() if self.on_device else self.sizes):
             scale = None if self.tensor_scales is None else self.tensor_scales[g]
             if self.axis == 0:
                 out.append(BlockValues(self.values[start: start + size], scale, size, self.format))

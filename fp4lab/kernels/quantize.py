@@ -29,6 +29,7 @@ along the block axis, each a whole number of column tiles, so a program's group 
 
 from __future__ import annotations
 
+import itertools
 import math
 import struct
 
@@ -718,7 +719,7 @@ def _group_seeds(seeds: list[int] | torch.Tensor, draws: bool, device: torch.dev
     """G seeds where a grouped launch reads them, with no host-to-device copy where it can do
     without (what a CUDA graph captures): a tensor of kernel seeds is used as it is (a SeedTable's
     slots, refilled before each replay); a launch that draws nothing gets zeros made on the
-    device; a list of ints is copied over (eager runs)."""
+    device, one seed shared by all a fill; other lists of ints are copied over (eager runs)."""
     if isinstance(seeds, torch.Tensor):
         if seeds.dim() != 1 or seeds.dtype != torch.int64 or seeds.device != device:
             raise ValueError(f"seeds as a tensor must be int64 kernel seeds on {device}, got {tuple(seeds.shape)} "
@@ -726,6 +727,8 @@ def _group_seeds(seeds: list[int] | torch.Tensor, draws: bool, device: torch.dev
         return seeds
     if not draws:
         return torch.zeros(len(seeds), dtype=torch.int64, device=device)
+    if len(set(seeds)) == 1:  # one seed for all (fixed random signs): a fill, no copy either
+        return torch.full((len(seeds),), _kernel_seed(seeds[0]), dtype=torch.int64, device=device)
     return torch.tensor([_kernel_seed(v) for v in seeds], dtype=torch.int64).to(device, non_blocking=True)
 
 
@@ -756,6 +759,14 @@ def grouped_block_values(x: torch.Tensor, fmt: Format, sizes: list[int] | torch.
         raise ValueError(f"grouped_block_values: x {tuple(x.shape)} does not split into groups of {list(sizes)} "
                          f"rows (each > 0{', a multiple of 16' if block2[0] > 1 else ''}), {len(seeds)} seeds")
     x = x.contiguous()
+    uniform = len(set(sizes)) == 1
+    if isinstance(seeds, torch.Tensor) or (uniform and rounding is not Rounding.STOCHASTIC):
+        # device seeds, or none drawn: groups of one size (an MoE projection's weights) start
+        # where a device op puts them, no copy (a CUDA graph can capture it)
+        starts = (torch.arange(len(sizes), dtype=torch.int64, device=x.device) * sizes[0] if uniform else
+                  torch.tensor([0, *itertools.accumulate(sizes)][:-1], dtype=torch.int64).to(x.device, non_blocking=True))
+        seeds_t = _group_seeds(seeds, rounding is Rounding.STOCHASTIC, x.device)
+        return _grouped_rows(x, fmt, starts, seeds_t, block2, rounding, profile, mode, pad)
     sizes_t = torch.tensor(sizes, dtype=torch.int64)
     # one copy to the device: the groups' first rows, then their seeds
     meta = torch.cat([sizes_t.cumsum(0) - sizes_t,

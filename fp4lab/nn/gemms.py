@@ -30,6 +30,13 @@ fprop's x and W and dgrad's dy along their rows without rotation
 rotated as the recipe says (kernels.quantize_grouped_columns), and then every expert's wgrad is
 one launch (kernels.contraction_grouped_values_mm).
 
+Where every GEMM takes that grouped path or stays BF16 on torch._grouped_mm
+(``counts_stay_on_device``), a grouped call may be given its counts as a device tensor, the
+routing's own: nothing reads them on the host, every launch is sized for any split of the rows
+(empty groups cost no work and get a zero gradient), and seeds that draw come from the
+SeedTable's slots, so a CUDA graph captures an FP4 MoE step. The bits are those of the same
+counts as a list (tested).
+
 ``QuantContext`` is the small mutable state a trainer shares with every FP4 layer of a model:
 the step ``tick`` (seeds stochastic rounding, random signs and dither, so a resumed run replays
 exactly), the training ``progress`` (for ``bf16_after``), and operand statistics collection.
@@ -38,7 +45,7 @@ exactly), the training ``progress`` (for ``bf16_after``), and operand statistics
 and the custom ops of nn.ops (what torch.compile traces).
 
 Public: ``QuantContext``, ``Call``, ``make_call``, ``call_at``, ``layer_key``, ``compute_dtype``,
-``gemms_forward``, ``gemms_backward``, ``fp4_gemms``.
+``gemms_forward``, ``gemms_backward``, ``fp4_gemms``, ``counts_stay_on_device``, ``recipe_in_force``.
 """
 
 from __future__ import annotations
@@ -181,9 +188,18 @@ def capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-def _group_seeds(calls: list[Call], gemm: str, side: str) -> list[int]:
-    """[c.seed(gemm, side) for c in calls], derived for every group in one array pass."""
+def _group_seeds(calls: list[Call], gemm: str, side: str) -> list[int] | torch.Tensor:
+    """[c.seed(gemm, side) for c in calls]: derived for every group in one array pass, or with a
+    SeedTable the groups' slots as one device tensor (what a captured grouped launch reads)."""
+    if calls[0].seeds is not None:
+        return torch.cat([c.seed(gemm, side) for c in calls])
     return derive_seeds([c.root for c in calls], GEMMS.index(gemm), ord(side))
+
+
+def _drawn_seeds(calls: list[Call], gemm: str, side: str, op) -> list[int] | torch.Tensor:
+    """_group_seeds where the operand draws (stochastic rounding), else zeros: what the kernels
+    read for a rounding that draws nothing (and no table slot is spent on it)."""
+    return _group_seeds(calls, gemm, side) if op.rounding is Rounding.STOCHASTIC else [0] * len(calls)
 
 
 def _group_rotation_seeds(calls: list[Call], gemm: str) -> list[int]:
@@ -207,7 +223,7 @@ def make_call(recipe: Recipe, name: str, context: QuantContext) -> Call:
                    stats=context.stats if context.collect else None, seeds=context.seeds)
     if context.forward_bf16:  # an evaluation: no backward follows, so every GEMM goes BF16 (the
         # recipe's own checks tie dgrad's dithered weight to fprop's)
-        call = dataclasses.replace(call, recipe=dataclasses.replace(call.recipe, **{g: BF16_GEMM for g in GEMMS}))
+        call = dataclasses.replace(call, recipe=_all_bf16(call.recipe))
     return call
 
 
@@ -233,19 +249,27 @@ def _pad_rows(t: torch.Tensor) -> torch.Tensor:
     return F.pad(t, (0, 0, 0, extra)) if extra else t
 
 
-def _all_at_once(t: torch.Tensor, rows: list[int], calls: list[Call], gemm: str, side: str) -> GroupedValues | None:
-    """Every group's operand ``side`` of ``gemm`` from t's rows (``rows`` each) in one grouped
-    quantize, where that is the same as one Call.operand per group: quantized along the rows,
-    no rotation, dither or statistics (else None: the caller quantizes per group)."""
-    if not rows or t.shape[1] == 0:
+def _all_at_once(t: torch.Tensor, rows: list[int] | torch.Tensor, calls: list[Call], gemm: str, side: str
+                 ) -> GroupedValues | None:
+    """Every group's operand ``side`` of ``gemm`` from t's rows (``rows`` each: ints, or counts on
+    the device) in one grouped quantize, where that is the same as one Call.operand per group:
+    quantized along the rows, no rotation, dither or statistics (else None: the caller quantizes
+    per group)."""
+    if not len(rows) or t.shape[1] == 0 or not _groupable(calls[0], gemm, side, rows):
         return None
-    spec, call = calls[0].recipe.gemm(gemm), calls[0]
-    op = getattr(spec, side)
-    if (not op.quantized or spec.rotated or op.dither or call.stats is not None
-            or (op.block2d and any(n % 16 for n in rows))):
-        return None
-    return kernels.quantize_grouped_values(t, op.format, rows, _group_seeds(calls, gemm, side),
+    op = getattr(calls[0].recipe.gemm(gemm), side)
+    return kernels.quantize_grouped_values(t, op.format, rows, _drawn_seeds(calls, gemm, side, op),
                                            rounding=op.rounding, pad=True, **operand_knobs(op))
+
+
+def _groupable(call: Call, gemm: str, side: str, rows: list[int] | torch.Tensor | None = None) -> bool:
+    """_all_at_once's rule: the operand quantized along its rows for every group in one launch
+    (16x16 tiles only where every group is whole tiles: never on device counts, unread)."""
+    spec = call.recipe.gemm(gemm)
+    op = getattr(spec, side)
+    tiles_fit = not op.block2d or (rows is not None and not isinstance(rows, torch.Tensor)
+                                   and not any(n % 16 for n in rows))
+    return op.quantized and not spec.rotated and not op.dither and call.stats is None and tiles_fit
 
 
 def _fprop_weights_at_once(weight: torch.Tensor, calls: list[Call]) -> GroupedValues | None:
@@ -262,33 +286,48 @@ def _wgrad_all_at_once(dy: torch.Tensor, x: torch.Tensor, rows: list[int], calls
     32 as the per-group path pads them) in one grouped quantize per side, where that is the same
     as Call.operand per group: both sides FP4 in 1-row blocks, any rotation fused into the
     quantize, no statistics (else None)."""
-    if not rows or dy.shape[1] == 0 or x.shape[1] == 0:
+    if not len(rows) or dy.shape[1] == 0 or x.shape[1] == 0 or dy.dtype != x.dtype \
+            or not _wgrad_groupable(calls[0], dy.dtype):
         return None
-    spec, call = calls[0].recipe.wgrad, calls[0]
-    rotation = call.rotation("wgrad")
-    fused = dy.dtype in (torch.float32, torch.bfloat16)  # what the grouped Triton quantize rotates
-    if (call.stats is not None or dy.dtype != x.dtype or not all(
-            op.quantized and not op.block2d and not op.dither
-            and (rotation is None or fused and fuses_rotation(op, rotation)) for op in (spec.a, spec.b))):
-        return None
-    widths = [n + (-n % WGRAD_ROW_MULTIPLE) for n in rows]
+    spec, rotation = calls[0].recipe.wgrad, calls[0].rotation("wgrad")
+    m = WGRAD_ROW_MULTIPLE
+    widths = (rows + m - 1) // m * m if isinstance(rows, torch.Tensor) else [n + (-n % m) for n in rows]
     h_seeds = _group_rotation_seeds(calls, "wgrad") if rotation is not None else None
     a, b = (kernels.quantize_grouped_columns(
-        _pad_groups(t, rows, widths), op.format, widths, _group_seeds(calls, "wgrad", side),
+        _pad_groups(t, rows, widths), op.format, widths, _drawn_seeds(calls, "wgrad", side, op),
         hadamard=None if rotation is None else rotation.signs, hadamard_seeds=h_seeds, rounding=op.rounding,
         **operand_knobs(op)) for t, side, op in ((dy, "a", spec.a), (x, "b", spec.b)))
     return a, b
 
 
-def _pad_groups(t: torch.Tensor, rows: list[int], widths: list[int]) -> torch.Tensor:
-    """t: [sum rows, C] -> [sum widths, C]: each group's rows followed by zero rows up to its width."""
-    if rows == widths:
+def _wgrad_groupable(call: Call, dtype: torch.dtype) -> bool:
+    """_wgrad_all_at_once's rule: both sides FP4 in 1-row blocks, undithered, any rotation fused
+    into the grouped quantize (which rotates float32 and bf16), no statistics. (Whether it fuses
+    does not depend on the signs' seed: none is drawn here, so the rule runs under capture too.)"""
+    spec = call.recipe.wgrad
+    rotation = rotation_for(spec, call.recipe.seed, 0)
+    fused = dtype in (torch.float32, torch.bfloat16)
+    return call.stats is None and all(
+        op.quantized and not op.block2d and not op.dither
+        and (rotation is None or fused and fuses_rotation(op, rotation)) for op in (spec.a, spec.b))
+
+
+def _pad_groups(t: torch.Tensor, rows: list[int] | torch.Tensor, widths: list[int] | torch.Tensor) -> torch.Tensor:
+    """t: [sum rows, C] -> [sum widths, C]: each group's rows followed by zero rows up to its width.
+    Device counts: S + 31 G rows rounded up to whole 32-row tiles, the most any split needs (rows
+    past the widths' sum stay zero, and no launch reads them as a group's)."""
+    if isinstance(rows, torch.Tensor):
+        pads, m = widths - rows, WGRAD_ROW_MULTIPLE
+        shift, counts, size = pads.cumsum(0) - pads, rows, -(-(t.shape[0] + (m - 1) * len(rows)) // m) * m
+    elif rows == widths:
         return t.contiguous()
+    else:
+        shift = list(itertools.accumulate((w - n for w, n in zip(widths, rows)), initial=0))[:-1]  # padding before g
+        shift, counts = torch.tensor([shift, rows], dtype=torch.int64).to(t.device, non_blocking=True)
+        size = sum(widths)
     # on the device, with the output size given: no host sync
-    shift = list(itertools.accumulate((w - n for w, n in zip(widths, rows)), initial=0))[:-1]  # padding before g
-    shift, counts = torch.tensor([shift, rows], dtype=torch.int64).to(t.device, non_blocking=True)
     dest = torch.arange(t.shape[0], device=t.device) + torch.repeat_interleave(shift, counts, output_size=t.shape[0])
-    return t.new_zeros(sum(widths), t.shape[1]).index_copy_(0, dest, t)
+    return t.new_zeros(size, t.shape[1]).index_copy_(0, dest, t)
 
 
 def _listed(ops: list | GroupedValues) -> list:
@@ -308,16 +347,17 @@ def _multiply(a: list | GroupedValues, a_axis: int, b: list | GroupedValues, b_a
     return out[0] if len(out) == 1 else torch.cat(out)
 
 
-def gemms_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int],
+def gemms_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int] | torch.Tensor,
                   calls: list[Call], grouped: bool, *, keep: bool = False, keep_x: bool = False
                   ) -> tuple[torch.Tensor, dict]:
     """fprop -> (y, what backward may reuse: with ``keep``, dithered weights and fprop's weight
     operands when dgrad can multiply them transposed; with ``keep_x`` (a weight gradient follows),
-    wgrad's copy of a dense layer's x, made in the same read as fprop's: ``x_wgrad``)."""
+    wgrad's copy of a dense layer's x, made in the same read as fprop's: ``x_wgrad``). ``sizes``
+    as a device tensor (grouped, where counts_stay_on_device allows it): never read on the host."""
     # x: [S, K], weight: [G, N, K], bias: [N] | None (dense only) -> y: [S, N]
     live = _live(sizes, grouped)
     live_calls = [calls[g] for g in live]
-    xs = x.split([sizes[g] for g in live]) if grouped else [x]
+    xs = _split(x, sizes, live, grouped)
     w_src = [calls[g].weight_source(weight[g]) for g in live]
     fprop = calls[0].recipe.fprop
     saved = {}
@@ -327,7 +367,7 @@ def gemms_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         # every expert's weights at once where all have rows (the weight as it is: a dithered one is refused)
         w_fprop = grouped and _fprop_weights_at_once(weight, live_calls)
         w_fprop = w_fprop or [calls[g].operand(w, 1, "fprop", "b") for g, w in zip(live, w_src)]
-        a = grouped and _all_at_once(x, [sizes[g] for g in live], live_calls, "fprop", "a")
+        a = grouped and _all_at_once(x, _rows(sizes, live), live_calls, "fprop", "a")
         if not grouped and keep_x and calls[0].recipe.wgrad.emulated:
             pair = calls[0].operand_pair(x, ("fprop", "a"), ("wgrad", "b"))
             if pair is not None:
@@ -363,8 +403,8 @@ def gemms_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, size
         # nothing kept (the custom ops of nn.ops): fprop's tiles of every expert made again in one
         # launch and transposed, rather than each expert's weight quantized along N on its own
         w_values = _fprop_weights_at_once(weight, live_calls)
-    rows = [sizes[g] for g in live]
-    xs, dys = (x.split(rows), dy.split(rows)) if grouped else ([x], [dy])
+    rows = _rows(sizes, live)
+    xs, dys = _split(x, sizes, live, grouped), _split(dy, sizes, live, grouped)
     dgrad, wgrad = calls[0].recipe.dgrad, calls[0].recipe.wgrad
     offs = _offsets(sizes, dy.device) if grouped and _bf16_grouped(dy, weight, calls) else None
     dx = dw = None
@@ -392,9 +432,13 @@ def gemms_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, size
     if need_dw and offs is not None and not wgrad.emulated:
         # one launch for every expert, its contraction split at the groups' row offsets
         dw = torch._grouped_mm(dy.contiguous().t(), x.contiguous(), offs=offs)
-        for g, rows in enumerate(sizes):
-            if not rows:  # an expert without rows gets an exact zero gradient, whatever the kernel leaves
-                dw[g].zero_()
+        # an expert without rows gets an exact zero gradient, whatever the kernel leaves
+        if isinstance(sizes, torch.Tensor):
+            dw.masked_fill_((sizes == 0)[:, None, None], 0)
+        else:
+            for g, n in enumerate(sizes):
+                if not n:
+                    dw[g].zero_()
     elif need_dw and grouped and (pair := _wgrad_all_at_once(dy, x, rows, live_calls)) is not None:
         # one launch for every expert, each contracting its own (padded) tokens
         dw_live = kernels.contraction_grouped_values_mm(*pair, out_dtype=gemm_dtype(dy.dtype)).to(dy.dtype)
@@ -424,20 +468,78 @@ def _bf16_grouped(a: torch.Tensor, weight: torch.Tensor, calls: list[Call]) -> b
     where that kernel runs: CUDA sm_90+, BF16 operands whose rows are 16-byte aligned, and the fast
     backend; the reference backend keeps the per-expert loop, bit for bit what a loop of dense
     layers computes. The undithered weight only (a dithered one is per-expert work anyway)."""
-    return (a.is_cuda and a.dtype == weight.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
-            and not calls[0].recipe.fprop.b.dither and a.shape[-1] % 8 == 0 and weight.shape[-1] % 8 == 0
-            and weight.shape[-2] % 8 == 0 and torch.cuda.get_device_capability(a.device) >= (9, 0)
-            and kernels.uses_triton(a))
+    return a.dtype == weight.dtype and _bf16_grouped_runs(calls[0].recipe, a.device, a.dtype, *weight.shape[-2:])
 
 
-def _offsets(sizes: list[int], device: torch.device) -> torch.Tensor:
+def _bf16_grouped_runs(recipe: Recipe, device: torch.device, dtype: torch.dtype, n: int, k: int) -> bool:
+    """_bf16_grouped's rule for a weight [G, n, k] on ``device`` in ``dtype``."""
+    return (device.type == "cuda" and dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+            and not recipe.fprop.b.dither and n % 8 == 0 and k % 8 == 0
+            and torch.cuda.get_device_capability(device) >= (9, 0) and kernels.uses_triton(device))
+
+
+def counts_stay_on_device(recipe: Recipe, device: torch.device, dtype: torch.dtype, n: int, k: int, *,
+                          collect: bool = False) -> bool:
+    """Whether a grouped call under ``recipe`` (the one in force: recipe_in_force) with weights
+    [G, n, k] can take its groups' counts as a device tensor, never read on the host (what a CUDA
+    graph captures): the Triton kernels run, and each GEMM either stays BF16 on one
+    torch._grouped_mm or quantizes every group's activations in one launch (the all-at-once
+    rules; weights may go expert by expert). Operand statistics are read on the host: never."""
+    if collect or not kernels.uses_triton(device):
+        return False
+    probe = Call(recipe=recipe, name="", root=0, stats=None)
+    bf16 = _bf16_grouped_runs(recipe, device, dtype, n, k)
+    return ((_groupable(probe, "fprop", "a") if recipe.fprop.emulated else bf16)
+            and (_groupable(probe, "dgrad", "a") if recipe.dgrad.emulated else bf16)
+            and (_wgrad_groupable(probe, dtype) if recipe.wgrad.emulated else bf16))
+
+
+def recipe_in_force(recipe: Recipe, context: QuantContext) -> Recipe:
+    """The recipe a layer's calls run under ``context``: at its progress, and every GEMM in BF16
+    under ``forward_bf16`` (make_call's)."""
+    in_force = recipe.at_progress(context.progress)
+    return _all_bf16(in_force) if context.forward_bf16 else in_force
+
+
+def _all_bf16(recipe: Recipe) -> Recipe:
+    return dataclasses.replace(recipe, **{g: BF16_GEMM for g in GEMMS})
+
+
+def _offsets(sizes: list[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
     """Groups' end rows, as torch._grouped_mm takes them (int32 cumulative counts)."""
-    return torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(device=device, dtype=torch.int32)
+    counts = sizes if isinstance(sizes, torch.Tensor) else torch.tensor(sizes, dtype=torch.int64)
+    return counts.cumsum(0).to(device=device, dtype=torch.int32)
 
 
-def _live(sizes: list[int], grouped: bool) -> list[int]:
-    """The groups with rows (a dense layer's one group always counts)."""
+def _live(sizes: list[int] | torch.Tensor, grouped: bool) -> list[int]:
+    """The groups with rows (a dense layer's one group always counts); every group where the
+    counts stay on the device (an empty one costs nothing and gets a zero gradient)."""
+    if isinstance(sizes, torch.Tensor):
+        return list(range(len(sizes)))
     return [g for g, rows in enumerate(sizes) if rows or not grouped]
+
+
+def _rows(sizes: list[int] | torch.Tensor, live: list[int]) -> list[int] | torch.Tensor:
+    """The live groups' rows: host ints, or the device counts themselves (every group is live)."""
+    return sizes if isinstance(sizes, torch.Tensor) else [sizes[g] for g in live]
+
+
+def _split(t: torch.Tensor, sizes: list[int] | torch.Tensor, live: list[int], grouped: bool) -> list[torch.Tensor]:
+    """t's rows per live group, for the paths that work group by group; device counts have none
+    (counts_stay_on_device admits only calls that never take them)."""
+    if not grouped:
+        return [t]
+    if isinstance(sizes, torch.Tensor):
+        return _NoSplit()
+    return list(t.split([sizes[g] for g in live]))
+
+
+class _NoSplit(list):
+    """What _split gives for device counts: any use is a bug in counts_stay_on_device's rule."""
+
+    def __iter__(self):
+        raise RuntimeError("a grouped call with device counts took a per-group path: counts_stay_on_device "
+                           "admitted a recipe it cannot run")
 
 
 class _FP4GemmsFn(torch.autograd.Function):
@@ -473,4 +575,5 @@ def fp4_gemms(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
     """x: [S, K], weight: [G, N, K] (G = 1 unless ``grouped``), bias: [N] | None, all in the
     compute dtype -> y: [S, N]: group g's ``sizes[g]`` rows times weight[g]^T, the three GEMMs
     under ``calls[g]`` (see the module doc). The recipe in force is calls[0]'s for every group."""
-    return _FP4GemmsFn.apply(x, weight, bias, list(sizes), list(calls), grouped, torch.is_grad_enabled())
+    sizes = sizes if isinstance(sizes, torch.Tensor) else list(sizes)
+    return _FP4GemmsFn.apply(x, weight, bias, sizes, list(calls), grouped, torch.is_grad_enabled())

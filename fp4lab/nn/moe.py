@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..formats.types import Choice
+from .gemms import counts_stay_on_device, recipe_in_force
 from .linear import QuantContext, compute_dtype, expert_names, grouped_fp4_linear, layer_keys, traced_path
 from .ops import register_recipe
 from .recipe import Recipe
@@ -94,14 +95,27 @@ class GroupedExperts(nn.Module):
     grouped_mm = True
     """Use torch._grouped_mm where it runs (False: the per-expert loop, e.g. to compare)."""
 
+    counts_kept = True
+    """FP4 experts take the routing's counts as a device tensor where the recipe allows it
+    (nn.gemms.counts_stay_on_device; False: read on the host, e.g. to compare)."""
+
     def _on_grouped_mm(self, device: torch.device, dtype: torch.dtype) -> bool:
         return self.recipe is None and self.grouped_mm and grouped_mm_runs(device, dtype, *self.w_down.shape[1:])
 
+    def _fp4_counts_kept(self, device: torch.device, dtype: torch.dtype) -> bool:
+        # (the compiled custom ops take host counts)
+        return (self.recipe is not None and self.counts_kept and not traced_path(self.context)
+                and counts_stay_on_device(recipe_in_force(self.recipe, self.context), device, dtype,
+                                          *self.w_down.shape[1:], collect=self.context.collect))
+
     def counts_on_device(self) -> bool:
-        """Whether a training step (under bf16 autocast) keeps the routing's counts on the device,
-        as a CUDA graph needs: BF16 experts on torch._grouped_mm. FP4 experts and the loop read
-        them on the host."""
-        return self._on_grouped_mm(self.w_down.device, torch.bfloat16)
+        """Whether every training step (under bf16 autocast) keeps the routing's counts on the
+        device, as a CUDA graph needs: BF16 experts on torch._grouped_mm, FP4 experts whose recipe,
+        before and after any late switch, quantizes each GEMM's activations for all experts at
+        once or leaves the GEMM BF16 there. The loop, and the other FP4 recipes, read them on the
+        host."""
+        on = self.grouped_mm if self.recipe is None else self.counts_kept
+        return on and steps_keep_counts(self.recipe, self.w_down.device, *self.w_down.shape[1:])
 
     def forward(self, x_sorted_SD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         dtype = compute_dtype(x_sorted_SD)
@@ -111,9 +125,9 @@ class GroupedExperts(nn.Module):
             def mm(x: torch.Tensor, w_EOI: torch.Tensor) -> torch.Tensor:
                 return torch._grouped_mm(x.to(dtype), w_EOI.to(dtype).transpose(-2, -1), offs=offsets_E)
             return mm(F.silu(mm(x_sorted_SD, self.w_gate)) * mm(x_sorted_SD, self.w_up), self.w_down)
-        counts = counts_E.tolist()
         if self.recipe is not None:
             name = "" if traced_path(self.context) else self.name  # traced: keys, no name guard
+            counts = counts_E if self._fp4_counts_kept(x_sorted_SD.device, dtype) else counts_E.tolist()
 
             def project(x: torch.Tensor, w: torch.Tensor, label: str) -> torch.Tensor:
                 # expert e is the layer f"{self.name}.{e}.{label}" (its seeds and tensor scales)
@@ -121,6 +135,7 @@ class GroupedExperts(nn.Module):
                                           label=label, keys=self.keys[label])
             h_SF = F.silu(project(x_sorted_SD, self.w_gate, "gate")) * project(x_sorted_SD, self.w_up, "up")
             return project(h_SF, self.w_down, "down")
+        counts = counts_E.tolist()
         outs = []
         for e, x_nD in enumerate(x_sorted_SD.split(counts)):
             if x_nD.shape[0] == 0:
@@ -128,6 +143,16 @@ class GroupedExperts(nn.Module):
             h_nF = F.silu(F.linear(x_nD, self.w_gate[e])) * F.linear(x_nD, self.w_up[e])
             outs.append(F.linear(h_nF, self.w_down[e]))
         return torch.cat(outs) if outs else x_sorted_SD.new_zeros(x_sorted_SD.shape)
+
+
+def steps_keep_counts(recipe: Recipe | None, device: torch.device, dim: int, hidden: int) -> bool:
+    """Whether every training step (bf16 autocast) of experts [dim x hidden] under ``recipe``
+    (None: BF16 experts) keeps the routing's counts on ``device``, as a CUDA graph of the step
+    needs: torch._grouped_mm for BF16 experts, nn.gemms.counts_stay_on_device for FP4 ones
+    before and after any late switch (the trainer captures again after it)."""
+    if recipe is None:
+        return grouped_mm_runs(device, torch.bfloat16, dim, hidden)
+    return all(counts_stay_on_device(recipe.at_progress(p), device, torch.bfloat16, dim, hidden) for p in (0.0, 1.0))
 
 
 def grouped_mm_runs(device: torch.device, dtype: torch.dtype, dim: int, hidden: int) -> bool:

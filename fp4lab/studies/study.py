@@ -42,7 +42,7 @@ import torch
 from tqdm import tqdm
 
 from ..nn import model_config
-from ..nn.moe import grouped_mm_runs
+from ..nn.moe import steps_keep_counts
 from ..nn.recipe import HadamardMode, Recipe
 from ..train.checkpoint import CheckpointError
 from ..train.corpus import CORPORA, default_dataset
@@ -225,11 +225,12 @@ def arm_configs(study: Study, scale: Scale, out: Path, *, seeds: tuple[int, ...]
 
 def _graphable(cfg: TrainConfig) -> bool:
     # the trainer's rule (train.run.setup), before a model exists: an MoE model's experts run the
-    # recipe unless it quantizes nothing (nn.swap), and BF16 experts keep their counts on the
-    # device where torch._grouped_mm runs
-    mcfg = model_config(cfg.model, **cfg.model_overrides)
-    host_counts = mcfg.moe is not None and (recipe_of(cfg).quantized or not grouped_mm_runs(
-        torch.device("cuda"), torch.bfloat16, mcfg.dim, mcfg.moe.expert_hidden))
+    # recipe unless it quantizes nothing (nn.swap); BF16 experts keep their counts on the device
+    # where torch._grouped_mm runs, FP4 experts where nn.gemms.counts_stay_on_device allows it,
+    # before and after any late switch (GroupedExperts.counts_on_device)
+    mcfg, recipe = model_config(cfg.model, **cfg.model_overrides), recipe_of(cfg)
+    host_counts = mcfg.moe is not None and not steps_keep_counts(
+        recipe if recipe.quantized else None, torch.device("cuda"), mcfg.dim, mcfg.moe.expert_hidden)
     return cfg.grad_accum == 1 and graph_refusal(host_counts=host_counts) is None
 
 

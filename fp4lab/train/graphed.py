@@ -8,10 +8,12 @@ Python between them. What makes an FP4 step capturable:
 - its random bits: every seed of the dense FP4 layers lives in the QuantContext's
   ``nn.seeds.SeedTable``, which setting ``context.tick`` refills before each replay, so step t
   draws step t's bits (an int seed would be frozen into the graph at its capture value);
-- no host synchronization inside the step, and no int seed: FP4 experts size their grouped
-  launches from the routing's counts read on the host (BF16 experts keep them on the device, so
-  a BF16 MoE step is captured) and operand statistics read values back (CUDA refuses the sync at
-  capture); weight dither's seed is a slot too, and every seed drawn without a table refuses to
+- no host synchronization inside the step, and no int seed: experts keep the routing's counts
+  on the device (BF16 ones on torch._grouped_mm; FP4 ones whose recipe quantizes each GEMM's
+  activations for all experts in one launch, sized from device counts, their seeds table slots:
+  nn.gemms.counts_stay_on_device; the others read the counts on the host and are not captured),
+  and operand statistics read values back (CUDA refuses the sync at capture); weight dither's
+  seed is a slot too, and every seed drawn without a table refuses to
   be captured (the compiled custom ops of nn.ops likewise; with one they read it like the eager path);
 - static tensors: the batch is copied into the graph's own input tensors, the optimizer is built
   with ``capturable=True`` (its step count and learning rate on the device), and gradients are

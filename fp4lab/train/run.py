@@ -118,12 +118,13 @@ def recipe_of(cfg: TrainConfig) -> Recipe:
 def graph_refusal(*, host_counts: bool, device_type: str = "cuda", world: int = 1) -> str | None:
     """Why a run cannot replay its steps from a CUDA graph (train.graphed), or None when it can:
     a CUDA device, one process, and no experts that read the routing's counts on the host
-    (``host_counts``: FP4 experts size their grouped launches from them, and BF16 experts do where
-    torch._grouped_mm does not run; nn.moe.GroupedExperts.counts_on_device)."""
+    (``host_counts``: FP4 experts whose recipe quantizes some GEMM's activations expert by expert,
+    and BF16 experts where torch._grouped_mm does not run; nn.moe.steps_keep_counts)."""
     return ("it needs a CUDA device" if device_type != "cuda" else
             "one process only (DDP's collectives are not captured)" if world > 1 else
-            "MoE experts read the routing's counts on the host (FP4 experts, or BF16 experts without "
-            "torch._grouped_mm: CUDA before sm_90)" if host_counts else None)
+            "MoE experts read the routing's counts on the host (FP4 experts whose recipe quantizes some "
+            "GEMM's activations expert by expert, or BF16 experts without torch._grouped_mm: CUDA before "
+            "sm_90)" if host_counts else None)
 
 
 def setup(cfg: TrainConfig) -> Run:

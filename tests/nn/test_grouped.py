@@ -59,8 +59,11 @@ def test_grouped_experts_equal_the_per_expert_loop(name, backend, monkeypatch):
     transposed = []  # dgrad's weights taken as one GroupedValues (every expert live)
     spy = GroupedValues.transposed
     monkeypatch.setattr(GroupedValues, "transposed", lambda self, rows: (transposed.append(rows), spy(self, rows))[1])
+    # the counts read on the host (the device counts' bits are those: test_counts_kept_on_the_device_...)
+    monkeypatch.setattr(moe_module.GroupedExperts, "counts_kept", False)
     grouped = _run(recipe, True, backend, monkeypatch, all_live=all_live)
     assert bool(transposed) == all_live
+    monkeypatch.setattr(moe_module.GroupedExperts, "counts_kept", False)
     loop = _run(recipe, False, backend, monkeypatch, all_live=all_live)
     if not all_live:
         assert float(grouped[2][2].abs().max()) == 0  # the expert without rows gets no gradient
@@ -114,3 +117,54 @@ def test_bf16_grouped_gemms_take_any_gradient_layout(backend, monkeypatch):
         for g, ref in zip(got, (x.grad, w.grad)):
             torch.testing.assert_close(g.float(), ref.float(), rtol=2**-7, atol=1e-5)
         assert float(got[1][1].abs().max()) == 0
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (TRITON_INTERPRET=1 on a CPU)")
+@pytest.mark.parametrize("name", ["nvfp4", "nvfp4_all_live", "nvfp4_plain", "mxfp4", "mxfp4_hadamard"])
+def test_counts_kept_on_the_device_give_the_host_counts_bits(name, monkeypatch):
+    """FP4 experts given the routing's counts as a device tensor (never read on the host: what a
+    CUDA graph captures), an expert without rows included, give the outputs and gradients of the
+    same counts read on the host, bit for bit (the Triton kernels; on a CPU, interpreted)."""
+    all_live = name == "nvfp4_all_live"
+    name = "nvfp4" if all_live else name
+    recipe = preset(name)
+    recipe = recipe.override({"keep_first": 0, "keep_last": 0}) if name == "nvfp4" else recipe
+    monkeypatch.setattr(moe_module.GroupedExperts, "counts_kept", False)
+    host = _run(recipe, True, "triton", monkeypatch, all_live=all_live)  # (undoes the patch)
+    seen = []
+    spy = moe_module.grouped_fp4_linear
+    monkeypatch.setattr(moe_module, "grouped_fp4_linear", lambda x, w, counts, *a, **k: (
+        seen.append(isinstance(counts, torch.Tensor)), spy(x, w, counts, *a, **k))[1])
+    kept = _run(recipe, True, "triton", monkeypatch, all_live=all_live)
+    assert seen and all(seen)  # every projection took the device counts
+    for a, b in zip(kept, host):
+        assert torch.equal(a, b)
+    if not all_live:
+        assert float(kept[2][2].abs().max()) == 0  # the expert without rows gets an exact zero gradient
+
+
+def test_which_recipes_keep_the_counts_on_the_device():
+    """The rule (nn.gemms.counts_stay_on_device): every GEMM either quantizes all experts'
+    activations in one launch or stays BF16 on torch._grouped_mm (CUDA sm_90); statistics, a
+    rotated forward or dithered activations read the counts on the host."""
+    from fp4lab.nn.gemms import counts_stay_on_device
+    cpu, bf16 = torch.device("cpu"), torch.bfloat16
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("needs triton")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("FP4LAB_BACKEND", "triton")
+    mp.setenv("TRITON_INTERPRET", "1")
+    try:
+        assert counts_stay_on_device(nvfp4(), cpu, bf16, 64, 64)
+        assert not counts_stay_on_device(nvfp4(), cpu, bf16, 64, 64, collect=True)
+        assert not counts_stay_on_device(nvfp4().override({"fprop.hadamard": "deterministic"}), cpu, bf16, 64, 64)
+        # a dithered weight goes expert by expert (each its own seed slot): the counts still stay
+        assert counts_stay_on_device(nvfp4().override({"fprop.b.dither": 1.0, "dgrad.b.dither": 1.0}), cpu, bf16, 64, 64)
+        assert counts_stay_on_device(preset("nvfp4_four_over_six"), cpu, bf16, 64, 64)
+        assert not counts_stay_on_device(preset("fprop"), cpu, bf16, 64, 64)  # (dgrad, wgrad in BF16)
+        # a GEMM left in BF16 needs torch._grouped_mm, which runs on CUDA sm_90+ only: not here
+        assert not counts_stay_on_device(nvfp4().override({"bf16_after": 0.0}).at_progress(0.5), cpu, bf16, 64, 64)
+        mp.setenv("FP4LAB_BACKEND", "reference")
+        assert not counts_stay_on_device(nvfp4(), cpu, bf16, 64, 64)
+    finally:
+        mp.undo()

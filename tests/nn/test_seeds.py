@@ -69,8 +69,10 @@ def test_slots_hold_derive_seed_and_are_shared_per_spec():
     assert int(slot) == derive_seed(derive_seed(recipe.seed, layer_key("a"), 10, 2), GEMMS.index("wgrad"), ord("a"))
     for side in "bcd":
         call.seed("wgrad", side)
-    with pytest.raises(RuntimeError, match="full"):
-        call.seed("dgrad", "a")
+    grown = call.seed("dgrad", "a")  # a fifth slot: the table doubles, the values kept
+    assert len(table.values) == 8 and int(grown) == derive_seed(derive_seed(recipe.seed, layer_key("a"), 10, 2),
+                                                                 GEMMS.index("dgrad"), ord("a"))
+    assert int(call.seed("wgrad", "a")) == int(slot) and call.seed("wgrad", "a").data_ptr() != slot.data_ptr()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
