@@ -28,6 +28,7 @@ Public: ``MoEConfig``, ``RouterKind``, ``GroupedExperts``, ``MoE``, ``grouped_mm
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -97,14 +98,19 @@ class GroupedExperts(nn.Module):
 
     counts_kept = True
     """FP4 experts take the routing's counts as a device tensor where the recipe allows it
-    (nn.gemms.counts_stay_on_device; False: read on the host, e.g. to compare)."""
+    (nn.gemms.counts_stay_on_device; False, or FP4LAB_DEVICE_COUNTS=0 in the environment: read on
+    the host, the same bits: a fallback to compare with, not a recipe)."""
+
+    def _keeps_counts(self) -> bool:
+        return self.counts_kept and os.environ.get("FP4LAB_DEVICE_COUNTS", "1").lower() not in ("0", "false", "off",
+                                                                                             "no")
 
     def _on_grouped_mm(self, device: torch.device, dtype: torch.dtype) -> bool:
         return self.recipe is None and self.grouped_mm and grouped_mm_runs(device, dtype, *self.w_down.shape[1:])
 
     def _fp4_counts_kept(self, device: torch.device, dtype: torch.dtype) -> bool:
         # (the compiled custom ops take host counts)
-        return (self.recipe is not None and self.counts_kept and not traced_path(self.context)
+        return (self.recipe is not None and self._keeps_counts() and not traced_path(self.context)
                 and counts_stay_on_device(recipe_in_force(self.recipe, self.context), device, dtype,
                                           *self.w_down.shape[1:], collect=self.context.collect))
 
@@ -114,7 +120,7 @@ class GroupedExperts(nn.Module):
         before and after any late switch, quantizes each GEMM's activations for all experts at
         once or leaves the GEMM BF16 there. The loop, and the other FP4 recipes, read them on the
         host."""
-        on = self.grouped_mm if self.recipe is None else self.counts_kept
+        on = self.grouped_mm if self.recipe is None else self._keeps_counts()
         return on and steps_keep_counts(self.recipe, self.w_down.device, *self.w_down.shape[1:])
 
     def forward(self, x_sorted_SD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:

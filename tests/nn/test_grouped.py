@@ -131,12 +131,18 @@ def test_counts_kept_on_the_device_give_the_host_counts_bits(name, monkeypatch):
     recipe = recipe.override({"keep_first": 0, "keep_last": 0}) if name == "nvfp4" else recipe
     monkeypatch.setattr(moe_module.GroupedExperts, "counts_kept", False)
     host = _run(recipe, True, "triton", monkeypatch, all_live=all_live)  # (undoes the patch)
-    seen = []
-    spy = moe_module.grouped_fp4_linear
-    monkeypatch.setattr(moe_module, "grouped_fp4_linear", lambda x, w, counts, *a, **k: (
-        seen.append(isinstance(counts, torch.Tensor)), spy(x, w, counts, *a, **k))[1])
-    kept = _run(recipe, True, "triton", monkeypatch, all_live=all_live)
+    seen, spy = [], moe_module.grouped_fp4_linear
+
+    def watched(env: str) -> list:  # a run that records whether each projection got device counts
+        seen.clear()
+        monkeypatch.setenv("FP4LAB_DEVICE_COUNTS", env)
+        monkeypatch.setattr(moe_module, "grouped_fp4_linear", lambda x, w, counts, *a, **k: (
+            seen.append(isinstance(counts, torch.Tensor)), spy(x, w, counts, *a, **k))[1])
+        return _run(recipe, True, "triton", monkeypatch, all_live=all_live)  # (undoes the patches)
+    kept = watched("1")
     assert seen and all(seen)  # every projection took the device counts
+    assert all(torch.equal(a, b) for a, b in zip(watched("0"), host))  # the fallback: read on the host
+    assert seen and not any(seen)
     for a, b in zip(kept, host):
         assert torch.equal(a, b)
     if not all_live:
