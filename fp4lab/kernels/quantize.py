@@ -822,14 +822,16 @@ def grouped_column_block_values(x: torch.Tensor, fmt: Format, widths: list[int] 
                          f"{len(seeds)} seeds and rotation {hadamard}")
     x = x.contiguous()
     g = len(widths)
-    if on_device:
-        edges = torch.cat([widths.new_zeros(1), widths.cumsum(0)])
-        h_seeds = [0] * g if hadamard_seeds is None else hadamard_seeds
+    h_seeds = [0] * g if hadamard_seeds is None else hadamard_seeds
+    if on_device or isinstance(seeds, torch.Tensor) or isinstance(h_seeds, torch.Tensor):
+        # device counts or seeds (a SeedTable's slots): kept there, the edges made or copied once
+        edges = (torch.cat([widths.new_zeros(1), widths.cumsum(0)]) if on_device else
+                 torch.tensor([0, *itertools.accumulate(widths)], dtype=torch.int64).to(x.device, non_blocking=True))
         grouped = (edges, _group_seeds(seeds, rounding is Rounding.STOCHASTIC, x.device),
                    _group_seeds(h_seeds, signs is HadamardSigns.RANDOM, x.device), g)
     else:
         widths_t = torch.tensor(widths, dtype=torch.int64)
-        h_seeds = [_kernel_seed(h) if signs is HadamardSigns.RANDOM else 0 for h in (hadamard_seeds or [0] * g)]
+        h_seeds = [_kernel_seed(h) if signs is HadamardSigns.RANDOM else 0 for h in h_seeds]
         meta = torch.cat([torch.cat([torch.zeros(1, dtype=torch.int64), widths_t.cumsum(0)]),
                           torch.tensor([_seed(rounding, s) for s in seeds] + h_seeds, dtype=torch.int64)]
                          ).to(x.device, non_blocking=True)  # no stream sync, as matmul's tile lists

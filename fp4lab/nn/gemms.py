@@ -489,8 +489,9 @@ def counts_stay_on_device(recipe: Recipe, device: torch.device, dtype: torch.dty
         return False
     probe = Call(recipe=recipe, name="", root=0, stats=None)
     bf16 = _bf16_grouped_runs(recipe, device, dtype, n, k)
-    return ((_groupable(probe, "fprop", "a") if recipe.fprop.emulated else bf16)
-            and (_groupable(probe, "dgrad", "a") if recipe.dgrad.emulated else bf16)
+    both = {g: recipe.gemm(g).a.quantized and recipe.gemm(g).b.quantized for g in GEMMS}  # (grouped_values_mm)
+    return ((both["fprop"] and _groupable(probe, "fprop", "a") if recipe.fprop.emulated else bf16)
+            and (both["dgrad"] and _groupable(probe, "dgrad", "a") if recipe.dgrad.emulated else bf16)
             and (_wgrad_groupable(probe, dtype) if recipe.wgrad.emulated else bf16))
 
 

@@ -102,8 +102,7 @@ class GroupedExperts(nn.Module):
     the host, the same bits: a fallback to compare with, not a recipe)."""
 
     def _keeps_counts(self) -> bool:
-        return self.counts_kept and os.environ.get("FP4LAB_DEVICE_COUNTS", "1").lower() not in ("0", "false", "off",
-                                                                                             "no")
+        return self.counts_kept and device_counts_allowed()
 
     def _on_grouped_mm(self, device: torch.device, dtype: torch.dtype) -> bool:
         return self.recipe is None and self.grouped_mm and grouped_mm_runs(device, dtype, *self.w_down.shape[1:])
@@ -114,14 +113,18 @@ class GroupedExperts(nn.Module):
                 and counts_stay_on_device(recipe_in_force(self.recipe, self.context), device, dtype,
                                           *self.w_down.shape[1:], collect=self.context.collect))
 
-    def counts_on_device(self) -> bool:
-        """Whether every training step (under bf16 autocast) keeps the routing's counts on the
-        device, as a CUDA graph needs: BF16 experts on torch._grouped_mm, FP4 experts whose recipe,
-        before and after any late switch, quantizes each GEMM's activations for all experts at
-        once or leaves the GEMM BF16 there. The loop, and the other FP4 recipes, read them on the
-        host."""
-        on = self.grouped_mm if self.recipe is None else self._keeps_counts()
-        return on and steps_keep_counts(self.recipe, self.w_down.device, *self.w_down.shape[1:])
+    def counts_on_device(self, *, compiled: bool = False) -> bool:
+        """Whether every training step (under bf16 autocast; ``compiled``: under torch.compile)
+        keeps the routing's counts on the device, as a CUDA graph needs: BF16 experts on
+        torch._grouped_mm, FP4 experts whose recipe, before and after any late switch, quantizes
+        each GEMM's activations for all experts at once or leaves the GEMM BF16 there (eager
+        only: the compiled custom ops take host counts). The loop, and the other FP4 recipes,
+        read them on the host."""
+        if self.recipe is not None and (compiled or not self._keeps_counts()):
+            return False
+        if self.recipe is None and not self.grouped_mm:
+            return False
+        return steps_keep_counts(self.recipe, self.w_down.device, *self.w_down.shape[1:])
 
     def forward(self, x_sorted_SD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         dtype = compute_dtype(x_sorted_SD)
@@ -152,13 +155,21 @@ class GroupedExperts(nn.Module):
 
 
 def steps_keep_counts(recipe: Recipe | None, device: torch.device, dim: int, hidden: int) -> bool:
-    """Whether every training step (bf16 autocast) of experts [dim x hidden] under ``recipe``
-    (None: BF16 experts) keeps the routing's counts on ``device``, as a CUDA graph of the step
-    needs: torch._grouped_mm for BF16 experts, nn.gemms.counts_stay_on_device for FP4 ones
-    before and after any late switch (the trainer captures again after it)."""
+    """Whether every eager training step (bf16 autocast) of experts [dim x hidden] under
+    ``recipe`` (None: BF16 experts) keeps the routing's counts on ``device``, as a CUDA graph of
+    the step needs: torch._grouped_mm for BF16 experts, nn.gemms.counts_stay_on_device for FP4
+    ones before and after any late switch (the trainer captures again after it), unless
+    FP4LAB_DEVICE_COUNTS=0."""
     if recipe is None:
         return grouped_mm_runs(device, torch.bfloat16, dim, hidden)
-    return all(counts_stay_on_device(recipe.at_progress(p), device, torch.bfloat16, dim, hidden) for p in (0.0, 1.0))
+    return device_counts_allowed() and all(
+        counts_stay_on_device(recipe.at_progress(p), device, torch.bfloat16, dim, hidden) for p in (0.0, 1.0))
+
+
+def device_counts_allowed() -> bool:
+    """False under FP4LAB_DEVICE_COUNTS=0: FP4 experts read the routing's counts on the host (the
+    same bits; a fallback to compare with, not a recipe)."""
+    return os.environ.get("FP4LAB_DEVICE_COUNTS", "1").lower() not in ("0", "false", "off", "no")
 
 
 def grouped_mm_runs(device: torch.device, dtype: torch.dtype, dim: int, hidden: int) -> bool:

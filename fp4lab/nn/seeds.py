@@ -52,8 +52,9 @@ class SeedTable:
             if self.values.is_cuda and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError("a seed first drawn while a CUDA graph is captured would be written inside "
                                    "the graph: run the step once before capturing it")
-            if len(self.specs) == len(self.values):  # (an MoE draws a slot per expert): twice the room,
-                # before any capture, so every view a graph holds is of the final buffer
+            if len(self.specs) == len(self.values):  # (an MoE draws a slot per expert): twice the room.
+                # A graph captured before this reads the old buffer, which fill no longer writes:
+                # capture after every slot is drawn (GraphedStep's eager warm-up steps draw them)
                 self.values = torch.cat([self.values, torch.zeros_like(self.values)])
             i = self._index[spec] = len(self.specs)
             self.specs.append(spec)

@@ -12,6 +12,7 @@ from fp4lab.nn import MoE, MoEConfig, quantize_model
 from fp4lab.nn import moe as moe_module
 from fp4lab.nn.linear import QuantContext, fp4_linear, grouped_fp4_linear
 from fp4lab.nn.recipe import nvfp4, preset
+from fp4lab.nn.seeds import SeedTable
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BACKENDS = ["reference", pytest.param("triton", marks=pytest.mark.skipif(
@@ -25,7 +26,7 @@ def _per_expert_loop(x, w, counts, recipe, *, name, context, label="", keys=None
     return torch.cat(outs) if outs else x.new_zeros(x.shape[0], w.shape[1])
 
 
-def _run(recipe, grouped: bool, backend: str, monkeypatch, *, all_live: bool = False):
+def _run(recipe, grouped: bool, backend: str, monkeypatch, *, all_live: bool = False, table: bool = False):
     monkeypatch.setenv("FP4LAB_BACKEND", backend)
     if not grouped:
         monkeypatch.setattr(moe_module, "grouped_fp4_linear", _per_expert_loop)
@@ -34,6 +35,8 @@ def _run(recipe, grouped: bool, backend: str, monkeypatch, *, all_live: bool = F
     if not all_live:
         moe.bias.copy_(torch.tensor([0.0, 0.0, -5.0, 0.0]))  # expert 2 gets no rows
     context = quantize_model(torch.nn.Sequential(moe), recipe)
+    if table:  # seeds in device slots, as a graphed step reads them (a small table: it grows)
+        context.seeds = SeedTable(DEVICE, capacity=4)
     context.tick = 7
     x = torch.randn(2, 24, 64, device=DEVICE, requires_grad=True)
     with torch.autocast(DEVICE, dtype=torch.bfloat16):
@@ -120,29 +123,36 @@ def test_bf16_grouped_gemms_take_any_gradient_layout(backend, monkeypatch):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (TRITON_INTERPRET=1 on a CPU)")
-@pytest.mark.parametrize("name", ["nvfp4", "nvfp4_all_live", "nvfp4_plain", "mxfp4", "mxfp4_hadamard"])
+@pytest.mark.parametrize("name", ["nvfp4", "nvfp4_all_live", "nvfp4_random_signs", "nvfp4_plain", "mxfp4",
+                                  "mxfp4_hadamard"])
 def test_counts_kept_on_the_device_give_the_host_counts_bits(name, monkeypatch):
     """FP4 experts given the routing's counts as a device tensor (never read on the host: what a
     CUDA graph captures), an expert without rows included, give the outputs and gradients of the
-    same counts read on the host, bit for bit (the Triton kernels; on a CPU, interpreted)."""
+    same counts read on the host, bit for bit (the Triton kernels; on a CPU, interpreted), their
+    seeds drawn from a SeedTable's slots (as a graphed step draws them) or as ints."""
     all_live = name == "nvfp4_all_live"
-    name = "nvfp4" if all_live else name
-    recipe = preset(name)
-    recipe = recipe.override({"keep_first": 0, "keep_last": 0}) if name == "nvfp4" else recipe
+    base = "nvfp4" if name.startswith("nvfp4_") and name != "nvfp4_plain" else name
+    recipe = preset(base)
+    if base == "nvfp4":
+        recipe = recipe.override({"keep_first": 0, "keep_last": 0}
+                                 | ({"wgrad.hadamard": "random"} if name == "nvfp4_random_signs" else {}))
     monkeypatch.setattr(moe_module.GroupedExperts, "counts_kept", False)
     host = _run(recipe, True, "triton", monkeypatch, all_live=all_live)  # (undoes the patch)
     seen, spy = [], moe_module.grouped_fp4_linear
 
-    def watched(env: str) -> list:  # a run that records whether each projection got device counts
+    def watched(env: str, table: bool = False) -> list:  # records whether each projection got device counts
         seen.clear()
         monkeypatch.setenv("FP4LAB_DEVICE_COUNTS", env)
         monkeypatch.setattr(moe_module, "grouped_fp4_linear", lambda x, w, counts, *a, **k: (
             seen.append(isinstance(counts, torch.Tensor)), spy(x, w, counts, *a, **k))[1])
-        return _run(recipe, True, "triton", monkeypatch, all_live=all_live)  # (undoes the patches)
+        return _run(recipe, True, "triton", monkeypatch, all_live=all_live, table=table)  # (undoes the patches)
     kept = watched("1")
     assert seen and all(seen)  # every projection took the device counts
+    assert all(torch.equal(a, b) for a, b in zip(watched("1", table=True), host))  # slots: the same draws
+    assert seen and all(seen)
     assert all(torch.equal(a, b) for a, b in zip(watched("0"), host))  # the fallback: read on the host
     assert seen and not any(seen)
+    assert all(torch.equal(a, b) for a, b in zip(watched("0", table=True), host))  # host counts, seeds in slots
     for a, b in zip(kept, host):
         assert torch.equal(a, b)
     if not all_live:
@@ -168,8 +178,16 @@ def test_which_recipes_keep_the_counts_on_the_device():
         assert counts_stay_on_device(nvfp4().override({"fprop.b.dither": 1.0, "dgrad.b.dither": 1.0}), cpu, bf16, 64, 64)
         assert counts_stay_on_device(preset("nvfp4_four_over_six"), cpu, bf16, 64, 64)
         assert not counts_stay_on_device(preset("fprop"), cpu, bf16, 64, 64)  # (dgrad, wgrad in BF16)
+        # FP4 activations times BF16 weights: no grouped multiply for them
+        assert not counts_stay_on_device(nvfp4().override({"fprop.b.format": "bf16", "fprop.b.block2d": False}),
+                                         cpu, bf16, 64, 64)
         # a GEMM left in BF16 needs torch._grouped_mm, which runs on CUDA sm_90+ only: not here
         assert not counts_stay_on_device(nvfp4().override({"bf16_after": 0.0}).at_progress(0.5), cpu, bf16, 64, 64)
+        experts = MoE(64, MoEConfig(n_experts=4, top_k=2, n_shared=0, expert_hidden=64)).experts
+        quantize_model(torch.nn.Sequential(experts), nvfp4().override({"keep_first": 0, "keep_last": 0}))
+        assert experts.counts_on_device() and not experts.counts_on_device(compiled=True)  # compiled: host counts
+        mp.setenv("FP4LAB_DEVICE_COUNTS", "0")
+        assert not experts.counts_on_device()
         mp.setenv("FP4LAB_BACKEND", "reference")
         assert not counts_stay_on_device(nvfp4(), cpu, bf16, 64, 64)
     finally:

@@ -133,10 +133,10 @@ def test_seeds_vary_init_data_and_rounding_together(tmp_path):
 
 def test_gpu_scales_graph_the_runs_a_graph_can_replay(tmp_path, monkeypatch):
     """At the GPU scales, on a CUDA machine, every dense run replays its steps from a CUDA graph
-    (weight dither included: its seed is a slot of the table); so does every MoE run: BF16 experts
-    on torch._grouped_mm (sm_90), FP4 experts under NVIDIA's recipe with the counts on the device
-    (any CUDA GPU); --set cuda_graph=false keeps all eager, the smoke scale never graphs, and
-    graphing leaves a run's identity alone."""
+    (weight dither included: its seed is a slot of the table); so does every MoE run on sm_90: BF16
+    experts on torch._grouped_mm, FP4 experts under NVIDIA's recipe with the counts on the device
+    (not compiled, nor under FP4LAB_DEVICE_COUNTS=0); --set cuda_graph=false keeps all eager, the
+    smoke scale never graphs, and graphing leaves a run's identity alone."""
     import torch
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
@@ -147,10 +147,16 @@ def test_gpu_scales_graph_the_runs_a_graph_can_replay(tmp_path, monkeypatch):
                                                                       tmp_path, seeds=(0,))}
     arms = ("unit", "embed", "logits", "old_pair", "bf16", "bf16_embed", "bf16_logits", "bf16_old_pair")
     assert gains == {f"{arm}-seed0": True for arm in arms}
+    for fallback in (dict(compile=True), None):  # compiled, or the counts read on the host by choice
+        if fallback is None:
+            monkeypatch.setenv("FP4LAB_DEVICE_COUNTS", "0")
+        held = {c.out.split("/")[-1]: c.cuda_graph for c in arm_configs(
+            STUDIES["gains"], SCALES["gpu-stable"], tmp_path, seeds=(0,), **(fallback or {}))}
+        assert held == {f"{arm}-seed0": arm.startswith("bf16") for arm in arms}
+    monkeypatch.delenv("FP4LAB_DEVICE_COUNTS")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))  # no torch._grouped_mm
-    older = {c.out.split("/")[-1]: c.cuda_graph for c in arm_configs(STUDIES["gains"], SCALES["gpu-stable"],
-                                                                      tmp_path, seeds=(0,))}
-    assert older == {f"{arm}-seed0": not arm.startswith("bf16") for arm in arms}
+    # (NVIDIA's recipe keeps moe64's last block in BF16: its experts need torch._grouped_mm too)
+    assert not any(c.cuda_graph for c in arm_configs(STUDIES["gains"], SCALES["gpu-stable"], tmp_path, seeds=(0,)))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     assert all(c.cuda_graph for c in arm_configs(STUDIES["gap-closers"], SCALES["gpu-small"], tmp_path))
     assert not any(c.cuda_graph for c in arm_configs(STUDIES["gap-closers"], SCALES["gpu-stable"], tmp_path,
