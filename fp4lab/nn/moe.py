@@ -13,7 +13,10 @@ variable number of rows. Without a recipe they run as ``torch._grouped_mm`` (all
 call, offsets from the counts on the device, no host sync) in bf16 (autocast) on the CPU and on
 CUDA from sm90, else as a loop over experts. Under a recipe, each projection is
 nn.linear.grouped_fp4_linear: every expert's three GEMMs as the recipe says, with a tensor scale
-per expert operand, fprop and dgrad of all experts in one launch on the Triton backend. The
+per expert operand, fprop and dgrad of all experts in one launch on the Triton backend. Where the
+recipe allows (nn.gemms.counts_stay_on_device) they take the routing's counts as the device
+tensor they are, so a CUDA graph can capture the step (``steps_keep_counts``; FP4LAB_DEVICE_COUNTS=0
+reads them on the host instead, the same bits). The
 combine un-sorts and sums the K contributions in a fixed order, so the forward is deterministic
 on GPU too (no atomics).
 
@@ -23,7 +26,8 @@ and clears the count. An optional Switch-style auxiliary loss, ``aux_coef * E * 
 (f: fraction of routed slots, P: mean normalised score), is left in ``aux_loss`` for the model.
 ``routing_stats()`` reports the load fractions of the last counts and their imbalance.
 
-Public: ``MoEConfig``, ``RouterKind``, ``GroupedExperts``, ``MoE``, ``grouped_mm_runs``.
+Public: ``MoEConfig``, ``RouterKind``, ``GroupedExperts``, ``MoE``, ``grouped_mm_runs``, ``steps_keep_counts``,
+``device_counts_allowed``.
 """
 
 from __future__ import annotations
@@ -101,17 +105,15 @@ class GroupedExperts(nn.Module):
     (nn.gemms.counts_stay_on_device; False, or FP4LAB_DEVICE_COUNTS=0 in the environment: read on
     the host, the same bits: a fallback to compare with, not a recipe)."""
 
-    def _keeps_counts(self) -> bool:
-        return self.counts_kept and device_counts_allowed()
-
     def _on_grouped_mm(self, device: torch.device, dtype: torch.dtype) -> bool:
         return self.recipe is None and self.grouped_mm and grouped_mm_runs(device, dtype, *self.w_down.shape[1:])
 
     def _fp4_counts_kept(self, device: torch.device, dtype: torch.dtype) -> bool:
         # (the compiled custom ops take host counts)
-        return (self.recipe is not None and self._keeps_counts() and not traced_path(self.context)
-                and counts_stay_on_device(recipe_in_force(self.recipe, self.context), device, dtype,
-                                          *self.w_down.shape[1:], collect=self.context.collect))
+        if self.recipe is None or not self.counts_kept or not device_counts_allowed() or traced_path(self.context):
+            return False
+        return counts_stay_on_device(recipe_in_force(self.recipe, self.context), device, dtype,
+                                     *self.w_down.shape[1:], collect=self.context.collect)
 
     def counts_on_device(self, *, compiled: bool = False) -> bool:
         """Whether every training step (under bf16 autocast; ``compiled``: under torch.compile)
@@ -120,11 +122,8 @@ class GroupedExperts(nn.Module):
         each GEMM's activations for all experts at once or leaves the GEMM BF16 there (eager
         only: the compiled custom ops take host counts). The loop, and the other FP4 recipes,
         read them on the host."""
-        if self.recipe is not None and (compiled or not self._keeps_counts()):
-            return False
-        if self.recipe is None and not self.grouped_mm:
-            return False
-        return steps_keep_counts(self.recipe, self.w_down.device, *self.w_down.shape[1:])
+        on = self.grouped_mm if self.recipe is None else self.counts_kept and not compiled
+        return on and steps_keep_counts(self.recipe, self.w_down.device, *self.w_down.shape[1:])
 
     def forward(self, x_sorted_SD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         dtype = compute_dtype(x_sorted_SD)
