@@ -14,9 +14,9 @@ call, offsets from the counts on the device, no host sync) in bf16 (autocast) on
 CUDA from sm90, else as a loop over experts. Under a recipe, each projection is
 nn.linear.grouped_fp4_linear: every expert's three GEMMs as the recipe says, with a tensor scale
 per expert operand, fprop and dgrad of all experts in one launch on the Triton backend. Where the
-recipe allows (nn.gemms.counts_stay_on_device) they take the routing's counts as the device
-tensor they are, so a CUDA graph can capture the step (``steps_keep_counts``; FP4LAB_DEVICE_COUNTS=0
-reads them on the host instead, the same bits). The
+recipe allows (nn.gemms.counts_stay_on_device) and the step is graphed (its seeds in a SeedTable),
+they take the routing's counts as the device tensor they are, so a CUDA graph can capture the step
+(``steps_keep_counts``; FP4LAB_DEVICE_COUNTS=0 reads them on the host instead, the same bits). The
 combine un-sorts and sums the K contributions in a fixed order, so the forward is deterministic
 on GPU too (no atomics).
 
@@ -102,15 +102,19 @@ class GroupedExperts(nn.Module):
 
     counts_kept = True
     """FP4 experts take the routing's counts as a device tensor where the recipe allows it
-    (nn.gemms.counts_stay_on_device; False, or FP4LAB_DEVICE_COUNTS=0 in the environment: read on
-    the host, the same bits: a fallback to compare with, not a recipe)."""
+    (nn.gemms.counts_stay_on_device) and the step's seeds live on the device (a SeedTable: a graphed
+    step); False, or FP4LAB_DEVICE_COUNTS=0 in the environment: read on the host, the same bits (a
+    fallback to compare with, not a recipe)."""
 
     def _on_grouped_mm(self, device: torch.device, dtype: torch.dtype) -> bool:
         return self.recipe is None and self.grouped_mm and grouped_mm_runs(device, dtype, *self.w_down.shape[1:])
 
     def _fp4_counts_kept(self, device: torch.device, dtype: torch.dtype) -> bool:
-        # (the compiled custom ops take host counts)
-        if self.recipe is None or not self.counts_kept or not device_counts_allowed() or traced_path(self.context):
+        # only where the step's seeds live on the device (a graphed step and its warm-up): an eager
+        # step reads the counts on the host, where the launches are sized to them (the same bits);
+        # the compiled custom ops take host counts
+        if (self.recipe is None or not self.counts_kept or not device_counts_allowed() or self.context.seeds is None
+                or traced_path(self.context)):
             return False
         return counts_stay_on_device(recipe_in_force(self.recipe, self.context), device, dtype,
                                      *self.w_down.shape[1:], collect=self.context.collect)
