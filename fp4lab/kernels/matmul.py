@@ -293,17 +293,22 @@ def _device_tiles(sizes: torch.Tensor, rows: int, bm: int) -> tuple[torch.Tensor
     an empty range (first row = the group's end). Sizes are clamped to the rows, so a wrong
     count cannot make the kernel read outside a."""
     g = sizes.numel()
-    ends = sizes.to(torch.int64).clamp_min(0).cumsum(0).clamp_max(rows)
-    sizes = ends - torch.cat([ends.new_zeros(1), ends[:-1]])
+    starts, ends = _device_edges(sizes, rows)
+    sizes = ends - starts
     per = (sizes + bm - 1) // bm
     tiles_end = per.cumsum(0)
     t = torch.arange((rows + g * (bm - 1)) // bm, device=sizes.device)
     group = torch.searchsorted(tiles_end, t, right=True).clamp_max(g - 1)
-    row = ends[group] - sizes[group] + (t - tiles_end[group] + per[group]) * bm
+    row = starts[group] + (t - tiles_end[group] + per[group]) * bm
     row = torch.where(t < tiles_end[-1], row, ends[-1])
     return group.to(torch.int32), row.to(torch.int32), ends.to(torch.int32)
 
 
+def _device_edges(counts: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(starts, ends) int64 of groups of ``counts`` back to back, on the device: negative counts
+    read as 0 and the ends stop at ``total``, so a wrong count never reads past the operand."""
+    ends = counts.to(torch.int64).clamp_min(0).cumsum(0).clamp_max(total)
+    return torch.cat([ends.new_zeros(1), ends[:-1]]), ends
 
 
 def _counts(sizes, groups: int | None, device: torch.device, what: str) -> list[int] | torch.Tensor:
@@ -371,8 +376,7 @@ def contraction_grouped_mm(a: torch.Tensor, b: torch.Tensor, widths: Sequence[in
         segments = torch.tensor([starts, widths], dtype=torch.int32).to(a.device, non_blocking=True)
         even_k = all(w % bk == 0 for w in widths)
     else:  # on the device, clamped to the columns as _device_tiles clamps rows
-        ends = widths.to(torch.int64).clamp_min(0).cumsum(0).clamp_max(a.shape[1])
-        starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+        starts, ends = _device_edges(widths, a.shape[1])
         segments = torch.stack([starts, ends - starts]).to(torch.int32)
         even_k = False  # unknown here; masks that are all true give the unmasked path's bits
     grid = (len(widths) * triton.cdiv(m, bm) * triton.cdiv(n, bn),)

@@ -95,9 +95,9 @@ class TrainConfig:
     """Replay each step's forward and backward from one CUDA graph (train.graphed), the step's seeds
     read from device memory (nn.seeds); clipping, the divergence check and the optimizers stay
     eager, so the bits are the eager run's. One CUDA process, grad_accum 1, a dense model or experts
-    that keep the routing's counts on the device (BF16 ones on torch._grouped_mm, FP4 ones eager under
-    a recipe nn.gemms.counts_stay_on_device admits; train.run.graph_refusal); captured again after a
-    late switch to BF16."""
+    that keep the routing's counts on the device (BF16 ones on torch._grouped_mm, FP4 ones, not
+    compiled, under a recipe nn.gemms.counts_stay_on_device admits; train.run.graph_refusal);
+    captured again after a late switch to BF16."""
     deterministic: bool = False
     """Same bits on every rerun of a GPU run: torch.use_deterministic_algorithms for the run
     (restored when it ends) and cuBLAS's fixed workspaces (CUBLAS_WORKSPACE_CONFIG, set for the

@@ -80,8 +80,9 @@ class GraphedStep:
                 self.loss = self._body()
         except RuntimeError as exc:
             raise RuntimeError("the training step could not be captured: it synchronizes with the host or "
-                               "draws a seed a graph would freeze (experts that read the routing's counts on the host, operand statistics, "
-                               f"a seed without a SeedTable, a compiled model): {exc}") from exc
+                               "draws a seed a graph would freeze (experts that read the routing's counts on the "
+                               "host, operand statistics, a seed without a SeedTable, a compiled model): "
+                               f"{exc}") from exc
 
     def _body(self) -> torch.Tensor:
         for opt in self.optimizers:
