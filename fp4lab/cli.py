@@ -330,7 +330,8 @@ def _add_study(sub, name: str, help: str) -> argparse.ArgumentParser:
                    "(the measurement protocol's settings; --list gives each scale's cost)")
     p.add_argument("--seeds", type=int, nargs="+", help="seeds to run (default: the scale's)")
     p.add_argument("--arms", nargs="+", help="run only these arms (default: all; the report covers what is there)")
-    p.add_argument("--jobs", type=int, default=1, help="runs at once, in subprocesses (GPU: small models)")
+    p.add_argument("--jobs", type=int, default=1, help="runs at once on each visible GPU, in subprocesses "
+                   "(small models; with several GPUs each run is pinned to one)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="change a training setting of every run, e.g. steps=100")
     p.add_argument("--report-only", action="store_true", help="rebuild report.md and plots from the receipts")

@@ -14,8 +14,10 @@
 #                           e.g. fidelity's bf16 and nvfp4 for gap-closers); OLD=NEW serves FROM's arm OLD
 #                           as TO's arm NEW (e.g. nvfp4=full: the runner keeps it only if it trained NEW's arithmetic)
 #   study:NAME[:ARM,ARM][@N]
-#                           fp4lab study NAME at $SCALE (default gpu-medium), N runs at once (default
-#                           $JOBS, else 3: graphed d6 runs hold ~20 GB each); finished runs are skipped, stopped ones resume from their
+#                           fp4lab study NAME at $SCALE (default gpu-medium), N runs at once on each
+#                           visible GPU (default $JOBS, else 3: graphed d6 runs hold ~20 GB each; on a
+#                           host of several GPUs each run is pinned to one card, so one phase fills them
+#                           all); finished runs are skipped, stopped ones resume from their
 #                           checkpoint, and runs that ran out of memory beside others are retried with
 #                           fewer at once; $SETS (space-separated KEY=VALUE) adds --set values that do not
 #                           change a run's identity, e.g. SETS=deterministic=true, or SETS=cuda_graph=false

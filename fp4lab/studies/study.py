@@ -16,8 +16,9 @@ otherwise (including a single seed); "not run" while arms are missing.
 receipt already exists with the same configuration is kept, a run stopped part-way resumes
 from its checkpoint, so an interrupted study continues where it stopped and can be spread
 over several sessions; a finished run of other settings is refused unless ``replace`` (another
-scale's results are not overwritten by mistake); ``jobs`` runs at a time in subprocesses
-(small models leave a GPU mostly idle). ``write_report(study, out)`` rebuilds, from the receipts alone, report.md (the verdict,
+scale's results are not overwritten by mistake); ``jobs`` runs at a time on each visible GPU, in
+subprocesses (small models leave a GPU mostly idle; on a host of several GPUs each run is pinned
+to one card). ``write_report(study, out)`` rebuilds, from the receipts alone, report.md (the verdict,
 the arms with their paired gaps, the extra comparisons, every run), headline.json and the plots.
 
 Public: ``Arm``, ``Scale``, ``Study``, ``StudyRuns``, ``Verdict``, ``arm_configs``, ``run_study``,
@@ -30,10 +31,11 @@ import dataclasses
 import json
 import math
 import multiprocessing
+import os
 import re
 import statistics
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -368,36 +370,61 @@ def _run_alone(cfg: TrainConfig, note: Callable[[str], None]) -> str:
     return line
 
 
-def _run_pooled(todo: list[TrainConfig], jobs: int, done: Callable[[str], None],
+def _gpu_slots(jobs: int) -> list[str | None]:
+    """One entry per worker: the card it trains on, as a CUDA_VISIBLE_DEVICES value, ``jobs`` per
+    visible GPU, interleaved so that the first runs spread over the cards; with fewer than two GPUs,
+    ``jobs`` unpinned workers (None). A parent's CUDA_VISIBLE_DEVICES list is kept: its entries
+    (indices or UUIDs) are what the workers are pinned to."""
+    count = torch.cuda.device_count()
+    if count < 2:
+        return [None] * jobs
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    cards = [c.strip() for c in visible.split(",")][:count] if visible else [str(i) for i in range(count)]
+    return [card for _ in range(jobs) for card in cards]
+
+
+def _run_on(cfg: TrainConfig, card: str | None) -> str:
+    if card is not None:  # a fresh worker process: set before its first CUDA call
+        os.environ["CUDA_VISIBLE_DEVICES"] = card
+    return _run_one(cfg)
+
+
+def _run_pooled(todo: list[TrainConfig], slots: list[str | None], done: Callable[[str], None],
                 note: Callable[[str], None]) -> list[TrainConfig]:
-    """Train ``todo``, ``jobs`` at once, each in its own process (it exits with its run and hands
-    its GPU memory back, where an idle worker would keep its cache) -> the runs that ran out of
-    memory beside the others, for another round with fewer at once."""
-    crowded = []
-    with ProcessPoolExecutor(min(jobs, len(todo)), mp_context=multiprocessing.get_context("spawn"),
+    """Train ``todo``, one run per slot at once (``_gpu_slots``), each in its own process (it exits
+    with its run and hands its GPU memory back, where an idle worker would keep its cache); a run
+    starts on the card whose run just ended -> the runs that ran out of memory beside the others,
+    for another round with fewer at once."""
+    crowded, queue, free, running = [], list(todo), list(slots), {}
+    with ProcessPoolExecutor(min(len(slots), len(todo)), mp_context=multiprocessing.get_context("spawn"),
                              max_tasks_per_child=1) as pool:
-        futures = {pool.submit(_run_one, cfg): cfg for cfg in todo}
-        for future in as_completed(futures):
-            cfg = futures[future]
-            try:
-                line = future.result()
-            except Exception as err:  # noqa: BLE001 -- the worker died (killed, crashed): report, don't hang
-                line = _failed(cfg, err)
-            if _out_of_memory(line):
-                crowded.append(cfg)
-                note(f"{cfg.out}: out of memory beside other runs; tried again with fewer at once")
-            else:
-                done(line)
+        while queue or running:
+            while queue and free:
+                cfg, card = queue.pop(0), free.pop(0)
+                running[pool.submit(_run_on, cfg, card)] = cfg, card
+            for future in wait(running, return_when=FIRST_COMPLETED).done:
+                cfg, card = running.pop(future)
+                free.append(card)
+                try:
+                    line = future.result()
+                except Exception as err:  # noqa: BLE001 -- the worker died (killed, crashed): report, don't hang
+                    line = _failed(cfg, err)
+                if _out_of_memory(line):
+                    crowded.append(cfg)
+                    note(f"{cfg.out}: out of memory beside other runs; tried again with fewer at once")
+                else:
+                    done(line)
     return crowded
 
 
 def run_study(study: Study, scale: Scale, out: Path, *, seeds: tuple[int, ...] | None = None,
               arms: tuple[str, ...] | None = None, jobs: int = 1, replace: bool = False,
               **changes: Any) -> list[TrainConfig]:
-    """Train every missing (arm, seed) run -> the configs asked for. A run that fails is reported
-    (a FAILED line) and the others go on; runs that ran out of memory beside others get further
-    rounds with half as many at once, and one at a time, a run crowded out by another process's
-    runs waits for them (_run_alone); raises RuntimeError at the end naming the failures.
+    """Train every missing (arm, seed) run, ``jobs`` at once on each visible GPU -> the configs
+    asked for. A run that fails is reported (a FAILED line) and the others go on; runs that ran
+    out of memory beside others get further rounds with half as many at once per card, and one at
+    a time, a run crowded out by another process's runs waits for them (_run_alone); raises
+    RuntimeError at the end naming the failures.
     A finished run of other settings in a run's folder is refused (ValueError) unless ``replace``."""
     configs = arm_configs(study, scale, out, seeds=seeds, arms=arms, **changes)
     finished = {c.out: _finished(c) for c in configs}  # each receipt read once
@@ -414,12 +441,14 @@ def run_study(study: Study, scale: Scale, out: Path, *, seeds: tuple[int, ...] |
         bar.update(1)
         if ": FAILED (" in line:
             failed.append(line)
-    pending = todo
+    pending, alone = todo, False
     while pending:
-        if jobs > 1 and len(pending) > 1:
-            pending = _run_pooled(pending, jobs, done, bar.write)
+        slots = _gpu_slots(jobs)
+        if not alone and len(slots) > 1 and len(pending) > 1:
+            pending = _run_pooled(pending, slots, done, bar.write)
+            alone = jobs == 1  # one run per card met the crowd too: one at a time from here
             jobs = max(1, jobs // 2)  # a run that failed fast freed its slot for the next, which met
-            # the same crowd: each round halves the runs at once, down to one at a time
+            # the same crowd: each round halves the runs at once per card, down to one at a time
         else:
             for cfg in pending:
                 done(_run_alone(cfg, bar.write))

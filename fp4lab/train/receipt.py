@@ -119,8 +119,9 @@ class Data:
 class Git:
     sha: str
     """The commit (FP4LAB_GIT_SHA where the tree came without .git; "unknown" if neither)."""
-    dirty: bool
-    """Whether the tree differed from the commit."""
+    dirty: bool | None
+    """Whether the tree differed from the commit; None where that cannot be told: the tree came
+    without the commit's .git (FP4LAB_GIT_SHA names a commit the tree's git does not have)."""
     diff_sha256: str | None
     """sha256 of ``git diff HEAD`` when dirty."""
 
@@ -357,9 +358,15 @@ def _git() -> dict:
             return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10).stdout
         except (OSError, subprocess.TimeoutExpired):
             return ""
-    sha = os.environ.get("FP4LAB_GIT_SHA") or git("rev-parse", "HEAD").strip() or "unknown"
+    head = git("rev-parse", "HEAD").strip()
+    named = os.environ.get("FP4LAB_GIT_SHA", "").strip()
+    if named and not (head and head.startswith(named)):
+        # a copied tree (the device machine's): whatever git finds there is not the named commit,
+        # so its diff says nothing about the code that ran
+        return {"sha": named, "dirty": None, "diff_sha256": None}
     diff = git("diff", "HEAD")
-    return {"sha": sha, "dirty": bool(diff), "diff_sha256": hashlib.sha256(diff.encode()).hexdigest() if diff else None}
+    return {"sha": head or "unknown", "dirty": bool(diff),
+            "diff_sha256": hashlib.sha256(diff.encode()).hexdigest() if diff else None}
 
 
 def _version(package: str) -> str | None:

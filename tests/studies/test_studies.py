@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -334,12 +335,13 @@ def test_runs_out_of_memory_beside_others_are_retried_with_fewer_at_once(tmp_pat
             return self
         def __exit__(self, *exc):
             return False
-        def submit(self, fn, cfg):
+        def submit(self, fn, cfg, card):
+            assert card is None  # no GPU here: workers are not pinned
             future = Future()
             if cfg.out.endswith("mxfp4_hadamard-seed0"):
                 future.set_exception(BrokenProcessPool("a worker died"))
             else:
-                future.set_result(fn(cfg))
+                future.set_result(fn(cfg, card))
             return future
 
     def fake_run(cfg):
@@ -359,6 +361,56 @@ def test_runs_out_of_memory_beside_others_are_retried_with_fewer_at_once(tmp_pat
     retried = sorted(out.rsplit("/", 1)[1] for out, pool in calls if pool == 2)
     assert retried == ["mxfp4-seed0", "nvfp4_plain-seed0"]
     assert [out for out, _ in calls].count(str(tmp_path / "nvfp4-seed0")) == 1  # not retried
+
+
+def test_runs_spread_over_every_visible_gpu_one_card_each(tmp_path, monkeypatch):
+    # a host of several GPUs: jobs runs per card, each worker pinned to one card (the parent's
+    # CUDA_VISIBLE_DEVICES entries kept), and a run starts on the card whose run just ended
+    from concurrent.futures import Future
+
+    from fp4lab.studies import study as study_module
+    monkeypatch.setattr(study_module.torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3, GPU-ab12")
+    assert study_module._gpu_slots(2) == ["3", "GPU-ab12", "3", "GPU-ab12"]
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert study_module._gpu_slots(1) == ["0", "1"]
+    monkeypatch.setattr(study_module.torch.cuda, "device_count", lambda: 1)
+    assert study_module._gpu_slots(3) == [None] * 3  # one card (or none): workers are not pinned
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "parent")
+    seen, pending, busy, most = [], [], {}, []
+
+    class SlowPool:  # a run ends only when the runner waits, the oldest first, as in a busy pool
+        def __init__(self, workers, mp_context=None, max_tasks_per_child=None):
+            pass
+        def __enter__(self):
+            return self
+        def __exit__(self, *exc):
+            return False
+        def submit(self, fn, cfg, card):
+            busy[card] = busy.get(card, 0) + 1
+            most.append(max(busy.values()))
+            pending.append((Future(), fn, cfg, card))
+            return pending[-1][0]
+
+    def first_done(futures, return_when):
+        future, fn, cfg, card = pending.pop(0)
+        future.set_result(fn(cfg, card))
+        busy[card] -= 1
+        return SimpleNamespace(done={future}, not_done=set(futures) - {future})
+
+    def fake_run(cfg):
+        seen.append(study_module.os.environ["CUDA_VISIBLE_DEVICES"])
+        return f"{cfg.out}: ok, final val 1.0"
+    monkeypatch.setattr(study_module, "ProcessPoolExecutor", SlowPool)
+    monkeypatch.setattr(study_module, "wait", first_done)
+    monkeypatch.setattr(study_module, "_run_one", fake_run)
+    lines = []
+    todo = arm_configs(STUDIES["fidelity"], SCALES["smoke"], tmp_path)
+    assert study_module._run_pooled(todo, ["0", "1"], lines.append, print) == []
+    assert len(lines) == len(todo) == 5
+    assert seen == ["0", "1", "0", "1", "0"]  # the card whose run ended takes the next one
+    assert max(most) == 1  # never two runs on one card when each card has one slot
 
 
 def test_a_run_crowded_out_by_other_processes_waits_and_tries_again(tmp_path, monkeypatch):

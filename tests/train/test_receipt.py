@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -122,3 +123,19 @@ def test_the_backend_is_recorded_and_never_raises(monkeypatch):
     assert kernels_backend(cpu) == "reference"  # AUTO runs the reference on CPU tensors
     monkeypatch.setenv("FP4LAB_BACKEND", "no-such-backend")
     assert kernels_backend(cpu) == "unknown"
+
+
+def test_a_tree_without_its_commit_records_the_named_sha_and_no_dirty_flag(monkeypatch):
+    # the device machine gets the tree without our .git: FP4LAB_GIT_SHA names the commit, and a
+    # diff against whatever git finds there would say nothing about the code that ran
+    from fp4lab.train import receipt as receipt_module
+    monkeypatch.setenv("FP4LAB_GIT_SHA", "0123abc")
+    monkeypatch.setattr(receipt_module.subprocess, "run", lambda *a, **k: SimpleNamespace(stdout="f" * 40 + "\n"))
+    assert receipt_module._git() == {"sha": "0123abc", "dirty": None, "diff_sha256": None}
+    # the named commit is the tree's own: its diff is read as usual
+    outputs = iter(["0123abcdef" + "0" * 30 + "\n", "diff --git a/x b/x\n"])
+    monkeypatch.setattr(receipt_module.subprocess, "run", lambda *a, **k: SimpleNamespace(stdout=next(outputs)))
+    git = receipt_module._git()
+    assert git["sha"] == "0123abcdef" + "0" * 30 and git["dirty"] is True and len(git["diff_sha256"]) == 64
+    loaded = Receipt.from_dict({**receipt_dict(), "git": {"sha": "0123abc", "dirty": None, "diff_sha256": None}})
+    assert loaded.git.dirty is None
