@@ -110,23 +110,21 @@ class GroupedExperts(nn.Module):
         return self.recipe is None and self.grouped_mm and grouped_mm_runs(device, dtype, *self.w_down.shape[1:])
 
     def _fp4_counts_kept(self, device: torch.device, dtype: torch.dtype) -> bool:
-        # only where the step's seeds live on the device (a graphed step and its warm-up): an eager
-        # step reads the counts on the host, where the launches are sized to them (the same bits);
-        # the compiled custom ops take host counts
-        if (self.recipe is None or not self.counts_kept or not device_counts_allowed() or self.context.seeds is None
-                or traced_path(self.context)):
+        # only where the step's seeds live on the device (a graphed step and its warm-up, compiled
+        # or not): an eager step reads the counts on the host, where the launches are sized to them
+        # (the same bits); compiled, the custom ops take them as a tensor argument
+        if self.recipe is None or not self.counts_kept or not device_counts_allowed() or self.context.seeds is None:
             return False
         return counts_stay_on_device(recipe_in_force(self.recipe, self.context), device, dtype,
                                      *self.w_down.shape[1:], collect=self.context.collect)
 
-    def counts_on_device(self, *, compiled: bool = False) -> bool:
-        """Whether every training step (under bf16 autocast; ``compiled``: under torch.compile)
-        keeps the routing's counts on the device, as a CUDA graph needs: BF16 experts on
-        torch._grouped_mm, FP4 experts whose recipe, before and after any late switch, quantizes
-        each GEMM's activations for all experts at once or leaves the GEMM BF16 there (eager
-        only: the compiled custom ops take host counts). The loop, and the other FP4 recipes,
-        read them on the host."""
-        on = self.grouped_mm if self.recipe is None else self.counts_kept and not compiled
+    def counts_on_device(self) -> bool:
+        """Whether every training step (under bf16 autocast, compiled or not) keeps the routing's
+        counts on the device, as a CUDA graph needs: BF16 experts on torch._grouped_mm, FP4
+        experts whose recipe, before and after any late switch, quantizes each GEMM's activations
+        for all experts at once or leaves the GEMM BF16 there. The loop, and the other FP4
+        recipes, read them on the host."""
+        on = self.grouped_mm if self.recipe is None else self.counts_kept
         return on and steps_keep_counts(self.recipe, self.w_down.device, *self.w_down.shape[1:])
 
     def forward(self, x_sorted_SD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:

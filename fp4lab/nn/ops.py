@@ -5,8 +5,12 @@ values) that dynamo cannot put in a graph, so a compiled FP4 model used to break
 every FP4 layer. Here the same two halves, ``gemms_forward`` and ``gemms_backward``, run inside
 two opaque ops whose arguments are all graph-friendly:
 
-    fp4lab::gemms           (x, weight, bias, sizes, layers, recipe, clock, rank, seeds, grouped) -> y
+    fp4lab::gemms           (x, weight, bias, sizes, counts, layers, recipe, clock, rank, seeds, grouped) -> y
     fp4lab::gemms_backward  (dy, x, weight, ...same..., need_dx, need_dw) -> (dx, dw)
+
+``counts``, where given, are a grouped call's row counts as a device tensor (``sizes`` is then
+empty): the routing's counts never read on the host, so a compiled MoE block is one graph and a
+CUDA graph can capture it (nn.gemms.counts_stay_on_device says which recipes allow it).
 
 ``layers`` are the layers' integer keys (gemms.layer_key) in a CPU int64 tensor (a module's
 ``keys``, made once: dynamo guards a tensor's metadata, where a Python constant would be a guard on
@@ -80,60 +84,68 @@ def _calls(layers: torch.Tensor, recipe: int, clock: torch.Tensor, rank: int, se
 
 
 @torch.library.custom_op("fp4lab::gemms", mutates_args=())
-def _gemms(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int], layers: torch.Tensor,
-           recipe: int, clock: torch.Tensor, rank: int, seeds: int, grouped: bool) -> torch.Tensor:
-    y, _ = gemms_forward(x, weight, bias, sizes, _calls(layers, recipe, clock, rank, seeds), grouped)
+def _gemms(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int],
+           counts: torch.Tensor | None, layers: torch.Tensor, recipe: int, clock: torch.Tensor, rank: int, seeds: int,
+           grouped: bool) -> torch.Tensor:
+    y, _ = gemms_forward(x, weight, bias, _rows(sizes, counts), _calls(layers, recipe, clock, rank, seeds), grouped)
     return y
 
 
+def _rows(sizes: list[int], counts: torch.Tensor | None) -> list[int] | torch.Tensor:
+    return sizes if counts is None else counts
+
+
 @_gemms.register_fake
-def _(x, weight, bias, sizes, layers, recipe, clock, rank, seeds, grouped):
+def _(x, weight, bias, sizes, counts, layers, recipe, clock, rank, seeds, grouped):
     return x.new_empty(x.shape[0], weight.shape[1])
 
 
 @torch.library.custom_op("fp4lab::gemms_backward", mutates_args=())
-def _gemms_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, sizes: list[int], layers: torch.Tensor,
-                    recipe: int, clock: torch.Tensor, rank: int, seeds: int, grouped: bool, need_dx: bool,
-                    need_dw: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    dx, dw = gemms_backward(dy, x, weight, sizes, _calls(layers, recipe, clock, rank, seeds), grouped,
+def _gemms_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, sizes: list[int],
+                    counts: torch.Tensor | None, layers: torch.Tensor, recipe: int, clock: torch.Tensor, rank: int,
+                    seeds: int, grouped: bool, need_dx: bool, need_dw: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    dx, dw = gemms_backward(dy, x, weight, _rows(sizes, counts), _calls(layers, recipe, clock, rank, seeds), grouped,
                             need_dx=need_dx, need_dw=need_dw)
     # an op returns tensors, never None: an empty one stands for a gradient not asked for
     return (dx if dx is not None else x.new_empty(0)), (dw if dw is not None else weight.new_empty(0))
 
 
 @_gemms_backward.register_fake
-def _(dy, x, weight, sizes, layers, recipe, clock, rank, seeds, grouped, need_dx, need_dw):
+def _(dy, x, weight, sizes, counts, layers, recipe, clock, rank, seeds, grouped, need_dx, need_dw):
     return (torch.empty_like(x) if need_dx else x.new_empty(0)), (torch.empty_like(weight) if need_dw
                                                                    else weight.new_empty(0))
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    x, weight, bias, sizes, layers, recipe, clock, rank, seeds, grouped = inputs
-    ctx.save_for_backward(x, weight, clock.clone(), layers)  # the trainer may move the clock before backward
+    x, weight, bias, sizes, counts, layers, recipe, clock, rank, seeds, grouped = inputs
+    # the trainer may move the clock before backward; counts (None: sizes) ride along as a tensor
+    ctx.save_for_backward(x, weight, clock.clone(), layers, counts)
     ctx.args = (sizes, recipe, rank, seeds, grouped)
     ctx.has_bias = bias is not None
 
 
 def _backward(ctx, dy: torch.Tensor):
-    x, weight, clock, layers = ctx.saved_tensors
+    x, weight, clock, layers, counts = ctx.saved_tensors
     sizes, recipe, rank, seeds, grouped = ctx.args
     need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    dx, dw = torch.ops.fp4lab.gemms_backward(dy, x, weight, sizes, layers, recipe, clock, rank, seeds, grouped,
-                                             need_dx, need_dw)
+    dx, dw = torch.ops.fp4lab.gemms_backward(dy, x, weight, sizes, counts, layers, recipe, clock, rank, seeds,
+                                             grouped, need_dx, need_dw)
     db = dy.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-    return (dx if need_dx else None), (dw if need_dw else None), db, None, None, None, None, None, None, None
+    return (dx if need_dx else None), (dw if need_dw else None), db, *[None] * 8
 
 
 _gemms.register_autograd(_backward, setup_context=_setup_context)
 
 
-def fp4_gemms_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int],
+def fp4_gemms_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int] | torch.Tensor,
                  layers: torch.Tensor | list[int], recipe: Recipe, context: QuantContext, *,
                  grouped: bool) -> torch.Tensor:
     """gemms.fp4_gemms through the custom ops: the layers given by key (a CPU int64 tensor, or
-    ints folded into one), at the context's clock."""
+    ints folded into one), at the context's clock; ``sizes`` as host ints or, for a grouped call,
+    a device tensor of counts (passed on as ``counts``)."""
     if not isinstance(layers, torch.Tensor):
         layers = torch.tensor(list(layers), dtype=torch.int64)
     seeds = -1 if context.seeds is None else context.seeds.index
-    return _gemms(x, weight, bias, list(sizes), layers, recipe_index(recipe), context.clock, context.rank, seeds,
+    counts, sizes = (sizes, []) if isinstance(sizes, torch.Tensor) else (None, list(sizes))
+    return _gemms(x, weight, bias, sizes, counts, layers, recipe_index(recipe), context.clock, context.rank, seeds,
                   grouped)

@@ -229,12 +229,12 @@ def _graphable(cfg: TrainConfig) -> bool:
     # the trainer's rule (train.run.setup), before a model exists: an MoE model's experts run the
     # recipe unless it quantizes nothing (nn.swap); BF16 experts keep their counts on the device
     # where torch._grouped_mm runs, FP4 experts where nn.gemms.counts_stay_on_device allows it,
-    # before and after any late switch, and eager (GroupedExperts.counts_on_device). An FP4
-    # recipe may keep some blocks' experts in BF16, so those need torch._grouped_mm as well
+    # before and after any late switch (GroupedExperts.counts_on_device). An FP4 recipe may keep
+    # some blocks' experts in BF16, so those need torch._grouped_mm as well
     mcfg, recipe = model_config(cfg.model, **cfg.model_overrides), recipe_of(cfg)
     dims = (torch.device("cuda"), mcfg.dim, mcfg.moe.expert_hidden) if mcfg.moe else ()
-    host_counts = mcfg.moe is not None and not (steps_keep_counts(None, *dims) and (not recipe.quantized or (
-        not cfg.compile and steps_keep_counts(recipe, *dims))))
+    host_counts = mcfg.moe is not None and not (steps_keep_counts(None, *dims) and (
+        not recipe.quantized or steps_keep_counts(recipe, *dims)))
     return cfg.grad_accum == 1 and graph_refusal(host_counts=host_counts) is None
 
 

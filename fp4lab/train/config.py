@@ -90,13 +90,16 @@ class TrainConfig:
     process trains the whole model: "fsdp" there is an error."""
     compile: bool = False
     """torch.compile the model: the FP4 GEMMs are custom ops (nn.ops), so a dense model is one graph
-    that serves every step without recompiling; MoE routing breaks it at the per-expert counts."""
+    that serves every step without recompiling. An MoE model is one graph too where its experts keep
+    the routing's counts on the device (BF16 experts on torch._grouped_mm; FP4 experts in a
+    graphed run, under a recipe nn.gemms.counts_stay_on_device admits); elsewhere reading the
+    counts on the host breaks the graph at each MoE block."""
     cuda_graph: bool = False
     """Replay each step's forward and backward from one CUDA graph (train.graphed), the step's seeds
     read from device memory (nn.seeds); clipping, the divergence check and the optimizers stay
     eager, so the bits are the eager run's. One CUDA process, grad_accum 1, a dense model or experts
-    that keep the routing's counts on the device (BF16 ones on torch._grouped_mm, FP4 ones, not
-    compiled, under a recipe nn.gemms.counts_stay_on_device admits; train.run.graph_refusal);
+    that keep the routing's counts on the device (BF16 ones on torch._grouped_mm, FP4 ones under a
+    recipe nn.gemms.counts_stay_on_device admits, compiled or not; train.run.graph_refusal);
     captured again after a late switch to BF16."""
     deterministic: bool = False
     """Same bits on every rerun of a GPU run: torch.use_deterministic_algorithms for the run

@@ -160,7 +160,7 @@ def setup(cfg: TrainConfig) -> Run:
     optimizers = build_optimizers(model, lr=cfg.lr, weight_decay=cfg.weight_decay, dense=cfg.dense_opt,
                                   expert=cfg.expert_opt, muon_lr=cfg.muon_lr, embed_lr=cfg.embed_lr)
     if cfg.cuda_graph:  # what a graph cannot replay is refused before training starts
-        host_counts = any(not moe.experts.counts_on_device(compiled=cfg.compile) for moe in model.moe_layers())
+        host_counts = any(not moe.experts.counts_on_device() for moe in model.moe_layers())
         why = graph_refusal(host_counts=host_counts, device_type=device.type, world=world)
         if why:
             raise ValueError(f"training setting cuda_graph=true: {why}")

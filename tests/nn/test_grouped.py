@@ -26,7 +26,8 @@ def _per_expert_loop(x, w, counts, recipe, *, name, context, label="", keys=None
     return torch.cat(outs) if outs else x.new_zeros(x.shape[0], w.shape[1])
 
 
-def _run(recipe, grouped: bool, backend: str, monkeypatch, *, all_live: bool = False, table: bool = False):
+def _run(recipe, grouped: bool, backend: str, monkeypatch, *, all_live: bool = False, table: bool = False,
+         compiled: bool = False):
     monkeypatch.setenv("FP4LAB_BACKEND", backend)
     if not grouped:
         monkeypatch.setattr(moe_module, "grouped_fp4_linear", _per_expert_loop)
@@ -39,8 +40,11 @@ def _run(recipe, grouped: bool, backend: str, monkeypatch, *, all_live: bool = F
         context.seeds = SeedTable(DEVICE, capacity=4)
     context.tick = 7
     x = torch.randn(2, 24, 64, device=DEVICE, requires_grad=True)
+    if compiled:  # fullgraph: a host read of the counts (a graph break) is an error
+        torch._dynamo.reset()
+    run = torch.compile(moe, fullgraph=True, backend="aot_eager") if compiled else moe
     with torch.autocast(DEVICE, dtype=torch.bfloat16):
-        y = moe(x)
+        y = run(x)
     y.float().square().sum().backward()
     monkeypatch.undo()
     grads = [x.grad] + [p.grad for p in (moe.experts.w_gate, moe.experts.w_up, moe.experts.w_down)]
@@ -159,6 +163,25 @@ def test_counts_kept_on_the_device_give_the_host_counts_bits(name, monkeypatch):
         assert float(kept[2][2].abs().max()) == 0  # the expert without rows gets an exact zero gradient
 
 
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (TRITON_INTERPRET=1 on a CPU)")
+@pytest.mark.parametrize("name", ["nvfp4", "mxfp4"])
+def test_a_compiled_fp4_moe_layer_keeps_the_counts_on_the_device_in_one_graph(name, monkeypatch):
+    """Compiled, with the step's seeds in a SeedTable (a graphed step), FP4 experts hand the
+    routing's counts to the custom ops as a tensor: the MoE layer is one graph (fullgraph: no host
+    read of the counts) and gives the eager host counts' outputs and gradients, bit for bit."""
+    recipe = preset(name)
+    if name == "nvfp4":
+        recipe = recipe.override({"keep_first": 0, "keep_last": 0})
+    host = _run(recipe, True, "triton", monkeypatch)
+    seen, spy = [], moe_module.grouped_fp4_linear
+    monkeypatch.setattr(moe_module, "grouped_fp4_linear", lambda x, w, counts, *a, **k: (
+        seen.append(isinstance(counts, torch.Tensor)), spy(x, w, counts, *a, **k))[1])
+    got = _run(recipe, True, "triton", monkeypatch, table=True, compiled=True)  # (undoes the patch)
+    assert seen and all(seen)
+    for a, b in zip(got, host):
+        assert torch.equal(a, b)
+
+
 def test_which_recipes_keep_the_counts_on_the_device():
     """The rule (nn.gemms.counts_stay_on_device): every GEMM either quantizes all experts'
     activations in one launch or stays BF16 on torch._grouped_mm (CUDA sm_90); statistics, a
@@ -185,7 +208,7 @@ def test_which_recipes_keep_the_counts_on_the_device():
         assert not counts_stay_on_device(nvfp4().override({"bf16_after": 0.0}).at_progress(0.5), cpu, bf16, 64, 64)
         experts = MoE(64, MoEConfig(n_experts=4, top_k=2, n_shared=0, expert_hidden=64)).experts
         quantize_model(torch.nn.Sequential(experts), nvfp4().override({"keep_first": 0, "keep_last": 0}))
-        assert experts.counts_on_device() and not experts.counts_on_device(compiled=True)  # compiled: host counts
+        assert experts.counts_on_device()
         mp.setenv("FP4LAB_DEVICE_COUNTS", "0")
         assert not experts.counts_on_device()
         mp.setenv("FP4LAB_BACKEND", "reference")

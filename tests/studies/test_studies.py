@@ -135,8 +135,8 @@ def test_seeds_vary_init_data_and_rounding_together(tmp_path):
 def test_gpu_scales_graph_the_runs_a_graph_can_replay(tmp_path, monkeypatch):
     """At the GPU scales, on a CUDA machine, every dense run replays its steps from a CUDA graph
     (weight dither included: its seed is a slot of the table); so does every MoE run on sm_90: BF16
-    experts on torch._grouped_mm, FP4 experts under NVIDIA's recipe with the counts on the device
-    (not compiled, nor under FP4LAB_DEVICE_COUNTS=0); --set cuda_graph=false keeps all eager, the
+    experts on torch._grouped_mm, FP4 experts under NVIDIA's recipe with the counts on the device,
+    compiled or not (not under FP4LAB_DEVICE_COUNTS=0); --set cuda_graph=false keeps all eager, the
     smoke scale never graphs, and graphing leaves a run's identity alone."""
     import torch
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -148,12 +148,13 @@ def test_gpu_scales_graph_the_runs_a_graph_can_replay(tmp_path, monkeypatch):
                                                                       tmp_path, seeds=(0,))}
     arms = ("unit", "embed", "logits", "old_pair", "bf16", "bf16_embed", "bf16_logits", "bf16_old_pair")
     assert gains == {f"{arm}-seed0": True for arm in arms}
-    for fallback in (dict(compile=True), None):  # compiled, or the counts read on the host by choice
-        if fallback is None:
-            monkeypatch.setenv("FP4LAB_DEVICE_COUNTS", "0")
-        held = {c.out.split("/")[-1]: c.cuda_graph for c in arm_configs(
-            STUDIES["gains"], SCALES["gpu-stable"], tmp_path, seeds=(0,), **(fallback or {}))}
-        assert held == {f"{arm}-seed0": arm.startswith("bf16") for arm in arms}
+    compiled = {c.out.split("/")[-1]: c.cuda_graph for c in arm_configs(STUDIES["gains"], SCALES["gpu-stable"],
+                                                                         tmp_path, seeds=(0,), compile=True)}
+    assert compiled == gains  # the compiled custom ops take the counts as a tensor too
+    monkeypatch.setenv("FP4LAB_DEVICE_COUNTS", "0")  # the counts read on the host by choice
+    held = {c.out.split("/")[-1]: c.cuda_graph for c in arm_configs(STUDIES["gains"], SCALES["gpu-stable"],
+                                                                     tmp_path, seeds=(0,))}
+    assert held == {f"{arm}-seed0": arm.startswith("bf16") for arm in arms}
     monkeypatch.delenv("FP4LAB_DEVICE_COUNTS")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))  # no torch._grouped_mm
     # (NVIDIA's recipe keeps moe64's last block in BF16: its experts need torch._grouped_mm too)
