@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 
 from .elements import to_bf16_rtne, widen
+from .operand import device_counts
 
 # tiles for H100/H200 (benchmarks/NOTES.md: a sweep at 8192^3): 256 x 128 x 64, 8 warps, 4 stages
 _BM, _BN, _BK, _WARPS, _STAGES = 256, 128, 64, 8, 4
@@ -316,11 +317,7 @@ def _counts(sizes, groups: int | None, device: torch.device, what: str) -> list[
     integer tensor of ``groups`` entries (any number if None) on the operands' device, kept there."""
     if not isinstance(sizes, torch.Tensor) or (sizes.device.type == "cpu" and device.type != "cpu"):
         return [int(v) for v in sizes]
-    if sizes.dim() != 1 or not sizes.numel() or groups not in (None, sizes.numel()) or sizes.device != device \
-            or sizes.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"{what} as a tensor must be {groups or 'one or more'} int32/int64 counts on {device}, got "
-                         f"{tuple(sizes.shape)} {sizes.dtype} on {sizes.device}")
-    return sizes
+    return device_counts(sizes, groups, device, what)
 
 
 def grouped_scaled_mm(a: torch.Tensor, b: torch.Tensor, sizes: Sequence[int] | torch.Tensor, alpha: torch.Tensor, *,

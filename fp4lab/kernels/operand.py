@@ -17,7 +17,7 @@ their rows (or, for wgrad, their columns) back to back, with one tensor scale pe
 quantize launch writes for all of them (``groups()`` gives each as BlockValues, views of the same
 memory). The grouped GEMMs take it whole: no per-expert objects on the host.
 
-Public: ``BlockValues``, ``GroupedValues``.
+Public: ``BlockValues``, ``GroupedValues``, ``device_counts``.
 """
 
 from __future__ import annotations
@@ -111,3 +111,14 @@ def alpha(a: BlockValues, b: BlockValues) -> torch.Tensor:
     if a.tensor_scale is None or b.tensor_scale is None:
         return torch.ones((), dtype=torch.float32, device=a.values.device)
     return a.tensor_scale * b.tensor_scale
+
+
+def device_counts(counts: torch.Tensor, groups: int | None, device: torch.device, what: str) -> torch.Tensor:
+    """A grouped launch's row counts kept on the device (a routing's), checked in form only: a 1-D
+    int32/int64 tensor of ``groups`` entries (one or more if None) on ``device``. Reading their
+    values would sync the host, so the launches trust them."""
+    if counts.dim() != 1 or not counts.numel() or groups not in (None, counts.numel()) or counts.device != device \
+            or counts.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{what} as a tensor must be {groups or 'one or more'} int32/int64 counts on {device}, got "
+                         f"{tuple(counts.shape)} {counts.dtype} on {counts.device}")
+    return counts

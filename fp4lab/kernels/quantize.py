@@ -43,7 +43,7 @@ from ..formats.mxfp4 import MX_BLOCK
 from ..formats.nvfp4 import _check_amax, _nvfp4_block, nvfp4_tensor_terms
 from ..formats.types import Format, FP4Tensor, MXScaleMode, NVFP4Profile, Rounding
 from .amax import finite_amax, grouped_finite_amax
-from .operand import BlockValues
+from .operand import BlockValues, device_counts
 from .elements import (e2m1_rtne, e2m1_stochastic, e2m1_value, e4m3_rtne, e4m3_value, group_of, pack_nibble_pairs,
                        philox_bytes, round_to_bf16, scale_value, to_bf16_rtne, widen)
 
@@ -705,16 +705,6 @@ def block_values_pair(x: torch.Tensor, fmt: Format, *, rows: dict, columns: dict
             BlockValues(cols_v.view(torch.bfloat16), scales[1], k, fmt))
 
 
-def _device_counts(counts: torch.Tensor, groups: int, x: torch.Tensor, what: str) -> torch.Tensor:
-    """A routing's counts kept on the device, as int64 (checked in form only: reading their values
-    would sync the host, so they are trusted to sum to x's rows)."""
-    if counts.dim() != 1 or counts.numel() != groups or not groups or counts.device != x.device \
-            or counts.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"{what} as a tensor must be {groups} int32/int64 counts (one per seed) on {x.device}, got "
-                         f"{tuple(counts.shape)} {counts.dtype} on {counts.device}")
-    return counts.to(torch.int64)
-
-
 def _group_seeds(seeds: list[int] | torch.Tensor, draws: bool, device: torch.device) -> torch.Tensor:
     """G seeds where a grouped launch reads them, with no host-to-device copy where it can do
     without (what a CUDA graph captures): a tensor of kernel seeds is used as it is (a SeedTable's
@@ -747,7 +737,7 @@ def grouped_block_values(x: torch.Tensor, fmt: Format, sizes: list[int] | torch.
     block2 = _nvfp4_block(block) if fmt is Format.NVFP4 else (1, MX_BLOCK)
     check_input(x, 1, block2, pad)
     if isinstance(sizes, torch.Tensor):
-        counts = _device_counts(sizes, len(seeds), x, "sizes")
+        counts = device_counts(sizes, len(seeds), x.device, "sizes").to(torch.int64)
         if x.dim() != 2 or x.shape[1] == 0 or block2[0] > 1:
             raise ValueError(f"grouped_block_values: device counts take x [R, L > 0] in 1 x n blocks, got x "
                              f"{tuple(x.shape)}, blocks {block2}")
@@ -813,7 +803,7 @@ def grouped_column_block_values(x: torch.Tensor, fmt: Format, widths: list[int] 
         raise ValueError(f"grouped_column_block_values takes 1x16 NVFP4 blocks, got {block}")
     on_device = isinstance(widths, torch.Tensor)
     if on_device:
-        widths = _device_counts(widths, len(seeds), x, "widths")
+        widths = device_counts(widths, len(seeds), x.device, "widths").to(torch.int64)
     if (x.dim() != 2 or x.shape[1] == 0 or len(widths) != len(seeds) or not on_device and (
             sum(widths) != x.shape[0] or any(w <= 0 or w % COL_GROUP_WIDTH for w in widths)) or (signs is not None and (
                 x.dtype not in (torch.float32, torch.bfloat16) or (signs is HadamardSigns.TE and size != 16)))):
