@@ -130,6 +130,9 @@ case ${1:-} in
          echo "started $name: $*" ;;
   run) shift; run_phases "$@" ;;
   wait) end=$(( $(date +%s) + ${2:-540} )) last=0
+        # no campaign log here: the wrong folder (a call's `cd` put in a background job), not a
+        # campaign to wait for; say so at once instead of waiting out the call
+        ls "$ROOT"/*.log >/dev/null 2>&1 || { echo "no campaign under $PWD/$ROOT: nothing to wait for"; exit 1; }
         while [ "$(date +%s)" -lt "$end" ]; do
           pending=$(for f in "$ROOT"/*.log; do grep -q "^== done" "$f" || echo "$f"; done)
           [ -z "$pending" ] && break
