@@ -19,7 +19,7 @@ for phase in "$@"; do
          python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" ;;
     train-tests) python3 -m pytest tests/train -p no:cacheprovider 2>&1 | tee "$OUT/pytest_train_gpu.log" | tail -3 ;;
     demo) python3 -m fp4lab demo --out results/demo --device gpu 2>&1 | quiet | tee "$OUT/demo.log" ;;
-    study:*) name=${phase#study:}
+    study:*) name=${phase#study:}  # $JOBS runs on each visible GPU
          [ "$(left)" -gt 30 ] || { echo "skipped: out of time"; continue; }
          timeout "$(left)" python3 -m fp4lab study "$name" --scale "${SCALE:-gpu-small}" --jobs "${JOBS:-6}" \
            --out "results/$name" 2>&1 | quiet | grep -v "^|" | tail -40 ;;

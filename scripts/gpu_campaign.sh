@@ -33,7 +33,8 @@
 #                           the same global batch as the 1-GPU fidelity runs, so seed 0 pairs with them)
 #   sweep:MODEL:LRS:TOKENS[:TAG:KEY=VALUE,...]
 #                           BF16 seed spread: MODEL at each learning rate (comma list), seeds 0 1 2,
-#                           TOKENS million tokens each, $JOBS at once (the stable-baseline sweep);
+#                           TOKENS million tokens each, $JOBS at once in all, on the first visible
+#                           card (not spread like a study phase; the stable-baseline sweep);
 #                           a TAG names a variant with extra --set values (e.g. qk:model.qk_norm=true;
 #                           a batch_size among them keeps TOKENS, with fewer steps)
 set -u
@@ -126,6 +127,7 @@ run_phases() {
 
 case ${1:-} in
   start) name=$2; shift 2
+         : > "$ROOT/$name.log"  # there before start returns: a wait right after sees it pending
          setsid nohup bash "$0" run "$@" > "$ROOT/$name.log" 2>&1 < /dev/null &
          echo "started $name: $*" ;;
   run) shift; run_phases "$@" ;;

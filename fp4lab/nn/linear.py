@@ -79,8 +79,8 @@ def grouped_fp4_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int] 
     """x: [S, K] rows sorted by expert (counts[e] each), weight: [E, N, K] -> [S, N]: expert e's
     rows times weight[e]^T under ``recipe``, as fp4_linear(x_e, weight[e], name=f"{name}.{e}.{label}").
     ``keys``: layer_keys of those names, made once (see fp4_linear). ``counts`` as a device tensor
-    (where nn.gemms.counts_stay_on_device allows; eager only) are never read on the host, so
-    their sum is trusted."""
+    (where nn.gemms.counts_stay_on_device allows; eager or compiled) are never read on the host,
+    so their sum is trusted."""
     on_device = isinstance(counts, torch.Tensor)
     if x.shape[-1] != weight.shape[-1] or len(counts) != weight.shape[0] or (
             not on_device and sum(counts) != x.shape[0]):

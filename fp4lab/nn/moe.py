@@ -14,9 +14,10 @@ call, offsets from the counts on the device, no host sync) in bf16 (autocast) on
 CUDA from sm90, else as a loop over experts. Under a recipe, each projection is
 nn.linear.grouped_fp4_linear: every expert's three GEMMs as the recipe says, with a tensor scale
 per expert operand, fprop and dgrad of all experts in one launch on the Triton backend. Where the
-recipe allows (nn.gemms.counts_stay_on_device) and the step is graphed (its seeds in a SeedTable),
-they take the routing's counts as the device tensor they are, so a CUDA graph can capture the step
-(``steps_keep_counts``; FP4LAB_DEVICE_COUNTS=0 reads them on the host instead, the same bits). The
+recipe allows before and after any late switch (``steps_keep_counts``, by
+nn.gemms.counts_stay_on_device) and the step is graphed (its seeds in a SeedTable), they take the
+routing's counts as the device tensor they are, eager or compiled, so a CUDA graph can capture the
+step (FP4LAB_DEVICE_COUNTS=0 reads them on the host instead, the same bits). The
 combine un-sorts and sums the K contributions in a fixed order, so the forward is deterministic
 on GPU too (no atomics).
 
@@ -40,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..formats.types import Choice
-from .gemms import counts_stay_on_device, recipe_in_force
+from .gemms import counts_stay_on_device
 from .linear import QuantContext, compute_dtype, expert_names, grouped_fp4_linear, layer_keys, traced_path
 from .ops import register_recipe
 from .recipe import Recipe
@@ -113,10 +114,11 @@ class GroupedExperts(nn.Module):
         # only where the step's seeds live on the device (a graphed step and its warm-up, compiled
         # or not): an eager step reads the counts on the host, where the launches are sized to them
         # (the same bits); compiled, the custom ops take them as a tensor argument
-        if self.recipe is None or not self.counts_kept or not device_counts_allowed() or self.context.seeds is None:
+        # decided for the run, not the step (both sides of any late switch, as a graph needs): a
+        # rule read at the step's progress would be a guard on it, a recompile at the switch
+        if self.recipe is None or not self.counts_kept or self.context.seeds is None or self.context.collect:
             return False
-        return counts_stay_on_device(recipe_in_force(self.recipe, self.context), device, dtype,
-                                     *self.w_down.shape[1:], collect=self.context.collect)
+        return steps_keep_counts(self.recipe, device, *self.w_down.shape[1:], dtype=dtype)
 
     def counts_on_device(self) -> bool:
         """Whether every training step (under bf16 autocast, compiled or not) keeps the routing's
@@ -155,16 +157,17 @@ class GroupedExperts(nn.Module):
         return torch.cat(outs) if outs else x_sorted_SD.new_zeros(x_sorted_SD.shape)
 
 
-def steps_keep_counts(recipe: Recipe | None, device: torch.device, dim: int, hidden: int) -> bool:
-    """Whether every eager training step (bf16 autocast) of experts [dim x hidden] under
-    ``recipe`` (None: BF16 experts) keeps the routing's counts on ``device``, as a CUDA graph of
-    the step needs: torch._grouped_mm for BF16 experts, nn.gemms.counts_stay_on_device for FP4
-    ones before and after any late switch (the trainer captures again after it), unless
-    FP4LAB_DEVICE_COUNTS=0."""
+def steps_keep_counts(recipe: Recipe | None, device: torch.device, dim: int, hidden: int, *,
+                      dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether every training step (``dtype``: the compute dtype, bf16 autocast by default) of
+    experts [dim x hidden] under ``recipe`` (None: BF16 experts) keeps the routing's counts on
+    ``device``, as a CUDA graph of the step needs: torch._grouped_mm for BF16 experts,
+    nn.gemms.counts_stay_on_device for FP4 ones before and after any late switch (the trainer
+    captures again after it), unless FP4LAB_DEVICE_COUNTS=0."""
     if recipe is None:
-        return grouped_mm_runs(device, torch.bfloat16, dim, hidden)
+        return grouped_mm_runs(device, dtype, dim, hidden)
     return device_counts_allowed() and all(
-        counts_stay_on_device(recipe.at_progress(p), device, torch.bfloat16, dim, hidden) for p in (0.0, 1.0))
+        counts_stay_on_device(recipe.at_progress(p), device, dtype, dim, hidden) for p in (0.0, 1.0))
 
 
 def device_counts_allowed() -> bool:

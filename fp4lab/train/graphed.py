@@ -81,7 +81,7 @@ class GraphedStep:
         except RuntimeError as exc:
             raise RuntimeError("the training step could not be captured: it synchronizes with the host or "
                                "draws a seed a graph would freeze (experts that read the routing's counts on the "
-                               "host, operand statistics, a seed without a SeedTable, a compiled model): "
+                               "host, operand statistics, a seed without a SeedTable): "
                                f"{exc}") from exc
 
     def _body(self) -> torch.Tensor:

@@ -4,7 +4,7 @@ about the machine and the code (``environment``, ``peak_flops``, ``kernels_backe
 A receipt is what ran and what came out of one training run (train.loop writes it; report,
 studies, generate and the CLI read it). On disk it is JSON, one object:
 
-    schema        4 (RECEIPT_SCHEMA)
+    schema        5 (RECEIPT_SCHEMA)
     name, status, message        the run directory's name; "ok" / "stopped" / "diverged"; why
     config, recipe, recipe_text, model     TrainConfig, Recipe and ModelConfig as dicts
     params, active_params        parameter counts (all; those a token meets)
@@ -27,7 +27,7 @@ wrong type is a ValueError naming the file and the key. Older schemas are upgrad
 schema 1 (no ``backend``: read as "unknown"; its early receipts also lack ``coverage``, read as
 None, and ``data.eot_id`` / ``split`` / ``epochs``, read as None); schema 2 (no
 ``final.bf16_forward_val_loss``: read as None); schema 3 (no ``final.fp4_forward_val_loss``:
-read as None). A newer schema is refused.
+read as None); schema 4 (``git.dirty`` always a bool: read as it is). A newer schema is refused.
 Unknown top-level keys (a newer writer's, or notes added by hand) are kept in ``extra`` and
 written back by ``to_dict``; unknown keys inside final, evals, data and git are ignored.
 ``receipt[key]`` reads the JSON form, for scripts written against the dict receipts.
@@ -59,7 +59,7 @@ from typing import Any, ClassVar
 
 import torch
 
-RECEIPT_SCHEMA = 4
+RECEIPT_SCHEMA = 5
 STATUSES = ("ok", "stopped", "diverged")
 
 
@@ -259,7 +259,13 @@ def _upgrade_3(data: dict) -> dict:
     return data
 
 
-_UPGRADES = {1: _upgrade_1, 2: _upgrade_2, 3: _upgrade_3}
+def _upgrade_4(data: dict) -> dict:
+    """Schema 4 -> 5: ``git.dirty`` may now be null (unknown: a tree without its commit's .git);
+    a schema-4 receipt's bool reads as it is."""
+    return data
+
+
+_UPGRADES = {1: _upgrade_1, 2: _upgrade_2, 3: _upgrade_3, 4: _upgrade_4}
 """{schema: the function that lifts a receipt of that schema to the next}."""
 
 
@@ -358,14 +364,16 @@ def _git() -> dict:
             return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10).stdout
         except (OSError, subprocess.TimeoutExpired):
             return ""
-    head = git("rev-parse", "HEAD").strip()
-    named = os.environ.get("FP4LAB_GIT_SHA", "").strip()
+    head = git("rev-parse", "HEAD").strip().lower()
+    named = os.environ.get("FP4LAB_GIT_SHA", "").strip().lower()
+    if not head and not named:  # no git and no commit named: nothing to tell
+        return {"sha": "unknown", "dirty": None, "diff_sha256": None}
     if named and not (head and head.startswith(named)):
         # a copied tree (the device machine's): whatever git finds there is not the named commit,
         # so its diff says nothing about the code that ran
         return {"sha": named, "dirty": None, "diff_sha256": None}
     diff = git("diff", "HEAD")
-    return {"sha": head or "unknown", "dirty": bool(diff),
+    return {"sha": head, "dirty": bool(diff),
             "diff_sha256": hashlib.sha256(diff.encode()).hexdigest() if diff else None}
 
 

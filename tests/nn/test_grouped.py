@@ -209,6 +209,18 @@ def test_which_recipes_keep_the_counts_on_the_device():
         experts = MoE(64, MoEConfig(n_experts=4, top_k=2, n_shared=0, expert_hidden=64)).experts
         quantize_model(torch.nn.Sequential(experts), nvfp4().override({"keep_first": 0, "keep_last": 0}))
         assert experts.counts_on_device()
+        # decided for the run, not at the step's progress (under torch.compile a rule read at the
+        # progress is a guard on it: a recompile at the switch): after this late switch a GEMM is
+        # BF16, which needs torch._grouped_mm, so neither side keeps the counts here
+        late = MoE(64, MoEConfig(n_experts=4, top_k=2, n_shared=0, expert_hidden=64)).experts
+        context = quantize_model(torch.nn.Sequential(late), nvfp4().override(
+            {"keep_first": 0, "keep_last": 0, "bf16_after": 0.5}))
+        context.seeds = SeedTable("cpu", capacity=4)
+        kept = []
+        for progress in (0.0, 0.9):
+            context.progress = progress
+            kept.append(late._fp4_counts_kept(cpu, bf16))
+        assert kept == [False, False] and not late.counts_on_device()
         mp.setenv("FP4LAB_DEVICE_COUNTS", "0")
         assert not experts.counts_on_device()
         mp.setenv("FP4LAB_BACKEND", "reference")

@@ -321,23 +321,24 @@ def test_a_run_finished_elsewhere_counts_as_done_when_only_its_place_differs(tmp
 
 def test_runs_out_of_memory_beside_others_are_retried_with_fewer_at_once(tmp_path, monkeypatch):
     # runs sharing a GPU can run out of memory at start; the runner tries those again in rounds of
-    # half as many at once, down to one; other failures, a dead worker's included, are reported
+    # half as many at once, down to one; other failures, a dead worker's included, are reported,
+    # and a dead worker takes no other run with it (each run has a pool of its own)
     from concurrent.futures import Future
     from concurrent.futures.process import BrokenProcessPool
 
     from fp4lab.studies import study as study_module
-    pools, calls = [], []
+    rounds, calls, pools = [], [], []
 
     class InlineExecutor:  # ProcessPoolExecutor's contract, run inline (monkeypatching does not cross spawn)
         def __init__(self, workers, mp_context=None, max_tasks_per_child=None):
-            assert max_tasks_per_child == 1  # each run's process exits and hands back its GPU memory
-            pools.append(workers)
-        def __enter__(self):
-            return self
-        def __exit__(self, *exc):
-            return False
+            assert workers == 1 and max_tasks_per_child == 1  # its process exits with the run, GPU memory too
+            self.submits = 0
+            pools.append(self)
+        def shutdown(self, wait=True):
+            self.closed = True
         def submit(self, fn, cfg, card):
-            assert card is None  # no GPU here: workers are not pinned
+            assert card is None and not self.submits  # no GPU here: not pinned; one run per pool
+            self.submits += 1
             future = Future()
             if cfg.out.endswith("mxfp4_hadamard-seed0"):
                 future.set_exception(BrokenProcessPool("a worker died"))
@@ -346,22 +347,26 @@ def test_runs_out_of_memory_beside_others_are_retried_with_fewer_at_once(tmp_pat
             return future
 
     def fake_run(cfg):
-        calls.append((cfg.out, len(pools)))
-        if cfg.out.endswith(("mxfp4-seed0", "nvfp4_plain-seed0")) and len(pools) == 1:
+        calls.append((cfg.out, len(rounds)))
+        if cfg.out.endswith(("mxfp4-seed0", "nvfp4_plain-seed0")) and len(rounds) == 1:
             return f"{cfg.out}: FAILED (OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB)"
         if cfg.out.endswith("/nvfp4-seed0"):
             return f"{cfg.out}: FAILED (ValueError: bad data)"
         return f"{cfg.out}: ok, final val 1.0"
+    pooled = study_module._run_pooled
+    monkeypatch.setattr(study_module, "_run_pooled", lambda todo, slots, *a: (rounds.append(len(slots)),
+                                                                             pooled(todo, slots, *a))[1])
     monkeypatch.setattr(study_module, "ProcessPoolExecutor", InlineExecutor)
     monkeypatch.setattr(study_module, "_run_one", fake_run)
     with pytest.raises(RuntimeError, match="2 of 5 runs failed") as failure:
         run_study(STUDIES["fidelity"], SCALES["smoke"], tmp_path, jobs=4)
     assert "nvfp4-seed0: FAILED (ValueError" in str(failure.value)
     assert "mxfp4_hadamard-seed0: FAILED (BrokenProcessPool" in str(failure.value)
-    assert pools == [4, 2]  # the two crowded runs: a second round, half as many at once
-    retried = sorted(out.rsplit("/", 1)[1] for out, pool in calls if pool == 2)
+    assert rounds == [4, 2]  # the two crowded runs: a second round, half as many at once
+    retried = sorted(out.rsplit("/", 1)[1] for out, n in calls if n == 2)
     assert retried == ["mxfp4-seed0", "nvfp4_plain-seed0"]
     assert [out for out, _ in calls].count(str(tmp_path / "nvfp4-seed0")) == 1  # not retried
+    assert len(pools) == 7 and all(pool.closed for pool in pools)  # 5 runs and 2 retries, each pool shut
 
 
 def test_runs_spread_over_every_visible_gpu_one_card_each(tmp_path, monkeypatch):
@@ -371,7 +376,7 @@ def test_runs_spread_over_every_visible_gpu_one_card_each(tmp_path, monkeypatch)
 
     from fp4lab.studies import study as study_module
     monkeypatch.setattr(study_module.torch.cuda, "device_count", lambda: 2)
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3, GPU-ab12")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3, GPU-ab12,7")  # more entries than cards: the first ones
     assert study_module._gpu_slots(2) == ["3", "GPU-ab12", "3", "GPU-ab12"]
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     assert study_module._gpu_slots(1) == ["0", "1"]
@@ -381,21 +386,19 @@ def test_runs_spread_over_every_visible_gpu_one_card_each(tmp_path, monkeypatch)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "parent")
     seen, pending, busy, most = [], [], {}, []
 
-    class SlowPool:  # a run ends only when the runner waits, the oldest first, as in a busy pool
+    class SlowPool:  # a run ends only when the runner waits, the newest first
         def __init__(self, workers, mp_context=None, max_tasks_per_child=None):
             pass
-        def __enter__(self):
-            return self
-        def __exit__(self, *exc):
-            return False
+        def shutdown(self, wait=True):
+            pass
         def submit(self, fn, cfg, card):
             busy[card] = busy.get(card, 0) + 1
             most.append(max(busy.values()))
             pending.append((Future(), fn, cfg, card))
             return pending[-1][0]
 
-    def first_done(futures, return_when):
-        future, fn, cfg, card = pending.pop(0)
+    def newest_done(futures, return_when):
+        future, fn, cfg, card = pending.pop()
         future.set_result(fn(cfg, card))
         busy[card] -= 1
         return SimpleNamespace(done={future}, not_done=set(futures) - {future})
@@ -404,14 +407,54 @@ def test_runs_spread_over_every_visible_gpu_one_card_each(tmp_path, monkeypatch)
         seen.append(study_module.os.environ["CUDA_VISIBLE_DEVICES"])
         return f"{cfg.out}: ok, final val 1.0"
     monkeypatch.setattr(study_module, "ProcessPoolExecutor", SlowPool)
-    monkeypatch.setattr(study_module, "wait", first_done)
+    monkeypatch.setattr(study_module, "wait", newest_done)
     monkeypatch.setattr(study_module, "_run_one", fake_run)
     lines = []
     todo = arm_configs(STUDIES["fidelity"], SCALES["smoke"], tmp_path)
     assert study_module._run_pooled(todo, ["0", "1"], lines.append, print) == []
     assert len(lines) == len(todo) == 5
-    assert seen == ["0", "1", "0", "1", "0"]  # the card whose run ended takes the next one
+    assert seen == ["1", "1", "1", "1", "0"]  # card 1's runs end first: card 1 takes each next run
     assert max(most) == 1  # never two runs on one card when each card has one slot
+    # a worker where CUDA is already up cannot be pinned: its run fails, saying why
+    monkeypatch.setattr(study_module.torch.cuda, "is_initialized", lambda: True)
+    assert "before it could be pinned to card 1" in study_module._run_on(todo[0], "1")
+
+
+def test_on_several_gpus_a_run_out_of_memory_alone_ends_after_one_round_per_card(tmp_path, monkeypatch):
+    # jobs=1 on two cards is a pooled round of one run per card; a run still out of memory there
+    # runs once more alone (waiting out other processes' runs), then is reported: no endless rounds
+    from concurrent.futures import Future
+
+    from fp4lab.studies import study as study_module
+    monkeypatch.setattr(study_module.torch.cuda, "device_count", lambda: 2)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    rounds, tries = [], {}
+
+    class InlineExecutor:
+        def __init__(self, workers, mp_context=None, max_tasks_per_child=None):
+            pass
+        def shutdown(self, wait=True):
+            pass
+        def submit(self, fn, cfg, card):
+            future = Future()
+            future.set_result(fn(cfg, card))
+            return future
+
+    def fake_run(cfg):
+        tries[cfg.out] = tries.get(cfg.out, 0) + 1
+        if cfg.out.endswith("/mxfp4-seed0"):
+            return f"{cfg.out}: FAILED (OutOfMemoryError: CUDA out of memory. Tried to allocate 90.00 GiB)"
+        return f"{cfg.out}: ok, final val 1.0"
+    pooled = study_module._run_pooled
+    monkeypatch.setattr(study_module, "_run_pooled", lambda todo, slots, *a: (rounds.append(list(slots)),
+                                                                             pooled(todo, slots, *a))[1])
+    monkeypatch.setattr(study_module, "ProcessPoolExecutor", InlineExecutor)
+    monkeypatch.setattr(study_module, "_run_on", lambda cfg, card: fake_run(cfg))  # (no pinning in-process)
+    monkeypatch.setattr(study_module, "_run_one", fake_run)
+    with pytest.raises(RuntimeError, match="1 of 5 runs failed"):
+        run_study(STUDIES["fidelity"], SCALES["smoke"], tmp_path, jobs=1)
+    assert rounds == [["0", "1"]]  # run_study asked for one slot per card, once
+    assert tries[str(tmp_path / "mxfp4-seed0")] == 2  # pooled, then alone
 
 
 def test_a_run_crowded_out_by_other_processes_waits_and_tries_again(tmp_path, monkeypatch):

@@ -30,7 +30,7 @@ def test_receipt_is_complete_and_loss_falls(token_file, tmp_path):
     receipt = train(_cfg(token_file, tmp_path / "run", steps=30, eval_every=10, recipe="nvfp4_plain",
                          stiction_every=10))
     on_disk = json.loads((tmp_path / "run" / "receipt.json").read_text())
-    assert set(on_disk) == RECEIPT_KEYS and on_disk == receipt.to_dict() and on_disk["schema"] == 4
+    assert set(on_disk) == RECEIPT_KEYS and on_disk == receipt.to_dict() and on_disk["schema"] == 5
     assert Receipt.load(tmp_path / "run") == receipt  # what is read back is what was written
     assert receipt.status == "ok" and receipt.final.steps == 30
     assert [e.step for e in receipt.evals] == [10, 20, 30]

@@ -80,7 +80,7 @@ def test_a_schema_1_receipt_is_upgraded_on_read():
     assert receipt.backend == "unknown" and receipt.coverage is None
     assert (receipt.data.eot_id, receipt.data.split, receipt.data.epochs) == (None, None, None)
     assert receipt.final.bf16_forward_val_loss is None and receipt.final.fp4_forward_val_loss is None
-    assert receipt.to_dict()["schema"] == RECEIPT_SCHEMA == 4
+    assert receipt.to_dict()["schema"] == RECEIPT_SCHEMA == 5
 
 
 def test_a_schema_2_receipt_is_upgraded_on_read():
@@ -102,7 +102,15 @@ def test_a_schema_3_receipt_is_upgraded_on_read():
         Receipt.from_dict({**old, "schema": 4})
     receipt = Receipt.from_dict(old)
     assert receipt.final.fp4_forward_val_loss is None and receipt.final.bf16_forward_val_loss == 2.4
-    assert receipt.to_dict()["schema"] == 4 and receipt.to_dict()["final"]["fp4_forward_val_loss"] is None
+    assert receipt.to_dict()["schema"] == 5 and receipt.to_dict()["final"]["fp4_forward_val_loss"] is None
+
+
+def test_a_schema_4_receipt_reads_as_it_is():
+    # schema 5 lets git.dirty be null (unknown); a schema-4 receipt's bool is read unchanged
+    old = {**receipt_dict(), "schema": 4}
+    old["git"] = {**old["git"], "dirty": True, "diff_sha256": "ab" * 32}
+    receipt = Receipt.from_dict(old)
+    assert receipt.git.dirty is True and receipt.to_dict()["schema"] == 5
 
 
 def test_every_committed_receipt_loads():
@@ -139,3 +147,11 @@ def test_a_tree_without_its_commit_records_the_named_sha_and_no_dirty_flag(monke
     assert git["sha"] == "0123abcdef" + "0" * 30 and git["dirty"] is True and len(git["diff_sha256"]) == 64
     loaded = Receipt.from_dict({**receipt_dict(), "git": {"sha": "0123abc", "dirty": None, "diff_sha256": None}})
     assert loaded.git.dirty is None
+    # neither git nor a named commit: the sha and the flag are unknown, not "clean"
+    monkeypatch.delenv("FP4LAB_GIT_SHA")
+    monkeypatch.setattr(receipt_module.subprocess, "run", lambda *a, **k: SimpleNamespace(stdout=""))
+    assert receipt_module._git() == {"sha": "unknown", "dirty": None, "diff_sha256": None}
+    monkeypatch.setenv("FP4LAB_GIT_SHA", "0123ABC")  # named in capitals: the same commit
+    outputs = iter(["0123abcdef" + "0" * 30 + "\n", ""])
+    monkeypatch.setattr(receipt_module.subprocess, "run", lambda *a, **k: SimpleNamespace(stdout=next(outputs)))
+    assert receipt_module._git()["dirty"] is False
