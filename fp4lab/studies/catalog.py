@@ -79,12 +79,10 @@ SCALES = {s.name: s for s in (
           # 25 minutes in all. Graphed (the default here where a run allows it), six NVFP4-family d6 runs
           # took 18 minutes in a campaign (a5f518c): each holds 20-22 GB (autograd saves ~14 GB a
           # step here), so about three run at once, at 197-240k tokens/s: 3 minutes of card time a
-          # run (NOTES, eighth session). MoE, estimated (not yet a campaign): bench_model on
-          # an H100 (0dce05a) gave moe64 at 8 x 1024 tokens 57 ms a BF16 step and 303 ms an NVFP4 one
-          # (its GPU busy ~74 ms); a step here holds 8x the tokens, so both are GPU-bound: ~0.45 s
-          # BF16, ~0.6 s NVFP4, 4-5 minutes for 500 steps
-          seeds=(0, 1, 2), where="one H100, 3 dense runs at once",
-          minutes_per_run={"dense": 3.0, "deep": 4.5, "moe": 5.0}, graph=True),
+          # run (NOTES, eighth session). MoE, measured (twelfth session, H100, git 89dcc0d, graphed,
+          # two runs sharing a card): a BF16 run 164 s, an NVFP4 one 205 s: ~1.6 minutes of card time
+          seeds=(0, 1, 2), where="one H100, 3 dense or 2 MoE runs at once",
+          minutes_per_run={"dense": 3.0, "deep": 4.5, "moe": 1.6}, graph=True),
 )}
 
 
