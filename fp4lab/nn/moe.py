@@ -112,10 +112,9 @@ class GroupedExperts(nn.Module):
 
     def _fp4_counts_kept(self, device: torch.device, dtype: torch.dtype) -> bool:
         # only where the step's seeds live on the device (a graphed step and its warm-up, compiled
-        # or not): an eager step reads the counts on the host, where the launches are sized to them
-        # (the same bits); compiled, the custom ops take them as a tensor argument
-        # decided for the run, not the step (both sides of any late switch, as a graph needs): a
-        # rule read at the step's progress would be a guard on it, a recompile at the switch
+        # or not; an eager step reads the counts on the host, where the launches are sized to them:
+        # the same bits), and decided for the run, both sides of any late switch: a rule read at
+        # the step's progress would be a guard on it under torch.compile, a recompile at the switch
         if self.recipe is None or not self.counts_kept or self.context.seeds is None or self.context.collect:
             return False
         return steps_keep_counts(self.recipe, device, *self.w_down.shape[1:], dtype=dtype)
