@@ -319,6 +319,17 @@ def test_a_run_finished_elsewhere_counts_as_done_when_only_its_place_differs(tmp
     assert not _done(cfg)
 
 
+def _pooled_rounds(monkeypatch, executor, record) -> list:
+    """The runner on ``executor`` (a fake ProcessPoolExecutor) -> a list that gets record(slots)
+    for each pooled round it runs."""
+    from fp4lab.studies import study as study_module
+    rounds, pooled = [], study_module._run_pooled
+    monkeypatch.setattr(study_module, "_run_pooled", lambda todo, slots, *a: (rounds.append(record(slots)),
+                                                                             pooled(todo, slots, *a))[1])
+    monkeypatch.setattr(study_module, "ProcessPoolExecutor", executor)
+    return rounds
+
+
 def test_runs_out_of_memory_beside_others_are_retried_with_fewer_at_once(tmp_path, monkeypatch):
     # runs sharing a GPU can run out of memory at start; the runner tries those again in rounds of
     # half as many at once, down to one; other failures, a dead worker's included, are reported,
@@ -327,7 +338,7 @@ def test_runs_out_of_memory_beside_others_are_retried_with_fewer_at_once(tmp_pat
     from concurrent.futures.process import BrokenProcessPool
 
     from fp4lab.studies import study as study_module
-    rounds, calls, pools = [], [], []
+    calls, pools = [], []
 
     class InlineExecutor:  # ProcessPoolExecutor's contract, run inline (monkeypatching does not cross spawn)
         def __init__(self, workers, mp_context=None, max_tasks_per_child=None):
@@ -353,10 +364,7 @@ def test_runs_out_of_memory_beside_others_are_retried_with_fewer_at_once(tmp_pat
         if cfg.out.endswith("/nvfp4-seed0"):
             return f"{cfg.out}: FAILED (ValueError: bad data)"
         return f"{cfg.out}: ok, final val 1.0"
-    pooled = study_module._run_pooled
-    monkeypatch.setattr(study_module, "_run_pooled", lambda todo, slots, *a: (rounds.append(len(slots)),
-                                                                             pooled(todo, slots, *a))[1])
-    monkeypatch.setattr(study_module, "ProcessPoolExecutor", InlineExecutor)
+    rounds = _pooled_rounds(monkeypatch, InlineExecutor, len)
     monkeypatch.setattr(study_module, "_run_one", fake_run)
     with pytest.raises(RuntimeError, match="2 of 5 runs failed") as failure:
         run_study(STUDIES["fidelity"], SCALES["smoke"], tmp_path, jobs=4)
@@ -428,7 +436,7 @@ def test_on_several_gpus_a_run_out_of_memory_alone_ends_after_one_round_per_card
     from fp4lab.studies import study as study_module
     monkeypatch.setattr(study_module.torch.cuda, "device_count", lambda: 2)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    rounds, tries = [], {}
+    tries = {}
 
     class InlineExecutor:
         def __init__(self, workers, mp_context=None, max_tasks_per_child=None):
@@ -445,10 +453,7 @@ def test_on_several_gpus_a_run_out_of_memory_alone_ends_after_one_round_per_card
         if cfg.out.endswith("/mxfp4-seed0"):
             return f"{cfg.out}: FAILED (OutOfMemoryError: CUDA out of memory. Tried to allocate 90.00 GiB)"
         return f"{cfg.out}: ok, final val 1.0"
-    pooled = study_module._run_pooled
-    monkeypatch.setattr(study_module, "_run_pooled", lambda todo, slots, *a: (rounds.append(list(slots)),
-                                                                             pooled(todo, slots, *a))[1])
-    monkeypatch.setattr(study_module, "ProcessPoolExecutor", InlineExecutor)
+    rounds = _pooled_rounds(monkeypatch, InlineExecutor, list)
     monkeypatch.setattr(study_module, "_run_on", lambda cfg, card: fake_run(cfg))  # (no pinning in-process)
     monkeypatch.setattr(study_module, "_run_one", fake_run)
     with pytest.raises(RuntimeError, match="1 of 5 runs failed"):
