@@ -115,7 +115,9 @@ class GroupedExperts(nn.Module):
         # or not; an eager step reads the counts on the host, where the launches are sized to them:
         # the same bits), and decided for the run, both sides of any late switch: a rule read at
         # the step's progress would be a guard on it under torch.compile, a recompile at the switch
-        if self.recipe is None or not self.counts_kept or self.context.seeds is None or self.context.collect:
+        # (a BF16-forward evaluation runs every GEMM in BF16 and is never graphed: host counts)
+        if (self.recipe is None or not self.counts_kept or self.context.seeds is None or self.context.collect
+                or self.context.forward_bf16):
             return False
         return steps_keep_counts(self.recipe, device, *self.w_down.shape[1:], dtype=dtype)
 

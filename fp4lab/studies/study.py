@@ -385,10 +385,12 @@ def _gpu_slots(jobs: int) -> list[str | None]:
 
 def _run_on(cfg: TrainConfig, card: str | None) -> str:
     if card is not None:  # a fresh worker process: pinned before its first CUDA call
-        if torch.cuda.is_initialized():  # too late to pin: the run would land on the first card
-            return _failed(cfg, RuntimeError(f"CUDA was initialized in the worker before it could be pinned to "
-                                             f"card {card}"))
         os.environ["CUDA_VISIBLE_DEVICES"] = card
+        # any CUDA call before this one (is_available() too) fixed the cards this process sees:
+        # then it sees them all, and the run would land on the first
+        if torch.cuda.device_count() != 1:
+            return _failed(cfg, RuntimeError(f"the worker saw {torch.cuda.device_count()} cards when pinned to "
+                                             f"card {card}: CUDA was set up before the pin"))
     return _run_one(cfg)
 
 
@@ -398,26 +400,32 @@ def _run_pooled(todo: list[TrainConfig], slots: list[str | None], done: Callable
     exits with its run and hands its GPU memory back; a worker that crashes breaks its own pool,
     not the other runs'); a run starts on the card whose run just ended -> the runs that ran out
     of memory beside the others, for another round with fewer at once."""
+    if not slots:
+        raise ValueError("_run_pooled needs at least one slot")
     crowded, queue, free, running = [], list(todo), list(slots), {}
     spawn = multiprocessing.get_context("spawn")
-    while queue or running:
-        while queue and free:
-            cfg, card = queue.pop(0), free.pop(0)
-            pool = ProcessPoolExecutor(1, mp_context=spawn, max_tasks_per_child=1)
-            running[pool.submit(_run_on, cfg, card)] = cfg, card, pool
-        for future in wait(running, return_when=FIRST_COMPLETED).done:
-            cfg, card, pool = running.pop(future)
-            pool.shutdown(wait=True)  # its one task is done: the worker exits, its GPU memory with it
-            free.append(card)
-            try:
-                line = future.result()
-            except Exception as err:  # noqa: BLE001 -- the worker died (killed, crashed): report, don't hang
-                line = _failed(cfg, err)
-            if _out_of_memory(line):
-                crowded.append(cfg)
-                note(f"{cfg.out}: out of memory beside other runs; tried again with fewer at once")
-            else:
-                done(line)
+    try:
+        while queue or running:
+            while queue and free:
+                cfg, card = queue.pop(0), free.pop(0)
+                pool = ProcessPoolExecutor(1, mp_context=spawn, max_tasks_per_child=1)
+                running[pool.submit(_run_on, cfg, card)] = cfg, card, pool
+            for future in wait(running, return_when=FIRST_COMPLETED).done:
+                cfg, card, pool = running.pop(future)
+                pool.shutdown(wait=True)  # its one task is done: the worker exits, its GPU memory with it
+                free.append(card)
+                try:
+                    line = future.result()
+                except Exception as err:  # noqa: BLE001 -- the worker died (killed, crashed): report, don't hang
+                    line = _failed(cfg, err)
+                if _out_of_memory(line):
+                    crowded.append(cfg)
+                    note(f"{cfg.out}: out of memory beside other runs; tried again with fewer at once")
+                else:
+                    done(line)
+    finally:  # interrupted: let go of the runs still going (each resumes from its checkpoint later)
+        for _, _, pool in running.values():
+            pool.shutdown(wait=False, cancel_futures=True)
     return crowded
 
 

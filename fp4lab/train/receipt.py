@@ -27,7 +27,7 @@ wrong type is a ValueError naming the file and the key. Older schemas are upgrad
 schema 1 (no ``backend``: read as "unknown"; its early receipts also lack ``coverage``, read as
 None, and ``data.eot_id`` / ``split`` / ``epochs``, read as None); schema 2 (no
 ``final.bf16_forward_val_loss``: read as None); schema 3 (no ``final.fp4_forward_val_loss``:
-read as None); schema 4 (``git.dirty`` always a bool: read as it is). A newer schema is refused.
+read as None); schema 4 (``git.dirty`` a bool: read as it is). A newer schema is refused.
 Unknown top-level keys (a newer writer's, or notes added by hand) are kept in ``extra`` and
 written back by ``to_dict``; unknown keys inside final, evals, data and git are ignored.
 ``receipt[key]`` reads the JSON form, for scripts written against the dict receipts.
@@ -121,7 +121,8 @@ class Git:
     """The commit (FP4LAB_GIT_SHA where the tree came without .git; "unknown" if neither)."""
     dirty: bool | None
     """Whether the tree differed from the commit; None where that cannot be told: the tree came
-    without the commit's .git (FP4LAB_GIT_SHA names a commit the tree's git does not have)."""
+    without the commit's .git (FP4LAB_GIT_SHA names a commit the tree's git does not have), or
+    there is neither git nor FP4LAB_GIT_SHA."""
     diff_sha256: str | None
     """sha256 of ``git diff HEAD`` when dirty."""
 
@@ -364,7 +365,7 @@ def _git() -> dict:
             return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10).stdout
         except (OSError, subprocess.TimeoutExpired):
             return ""
-    head = git("rev-parse", "HEAD").strip().lower()
+    head = git("rev-parse", "--verify", "--quiet", "HEAD").strip().lower()  # empty: no git, or no commit
     named = os.environ.get("FP4LAB_GIT_SHA", "").strip().lower()
     if not head and not named:  # no git and no commit named: nothing to tell
         return {"sha": "unknown", "dirty": None, "diff_sha256": None}

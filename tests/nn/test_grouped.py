@@ -209,6 +209,11 @@ def test_which_recipes_keep_the_counts_on_the_device():
         experts = MoE(64, MoEConfig(n_experts=4, top_k=2, n_shared=0, expert_hidden=64)).experts
         quantize_model(torch.nn.Sequential(experts), nvfp4().override({"keep_first": 0, "keep_last": 0}))
         assert experts.counts_on_device()
+        experts.context.seeds = SeedTable("cpu", capacity=4)  # a graphed run's seeds
+        assert experts._fp4_counts_kept(cpu, bf16)
+        experts.context.forward_bf16 = True  # its BF16-forward evaluation: every GEMM BF16, never graphed
+        assert not experts._fp4_counts_kept(cpu, bf16)
+        experts.context.forward_bf16 = False
         # decided for the run, not at the step's progress (under torch.compile a rule read at the
         # progress is a guard on it: a recompile at the switch): after this late switch a GEMM is
         # BF16, which needs torch._grouped_mm, so neither side keeps the counts here
