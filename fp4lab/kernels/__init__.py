@@ -206,8 +206,7 @@ def quantize_grouped_values(x: torch.Tensor, fmt: str | Format, sizes: list[int]
     spec = formats.spec_of(fmt)
     if uses_triton(x, backend):
         from .quantize import grouped_block_values
-        values, scales = grouped_block_values(x, spec.format, *(v if isinstance(v, torch.Tensor) else list(v)
-                                                                for v in (sizes, seeds)), **kwargs)
+        values, scales = grouped_block_values(x, spec.format, _as_given(sizes), _as_given(seeds), **kwargs)
         return GroupedValues(values, scales, _kept(sizes), spec.format)
     sizes, seeds = _listed(sizes), _listed(seeds)
     parts = [BlockValues.of(spec.quantize(xg, axis=1, seed=seed, **kwargs))
@@ -219,6 +218,11 @@ def quantize_grouped_values(x: torch.Tensor, fmt: str | Format, sizes: list[int]
 def _kept(sizes: list[int] | torch.Tensor) -> tuple[int, ...] | torch.Tensor:
     """GroupedValues.sizes: a tuple, or a device tensor kept as it is (never read on the host)."""
     return sizes if isinstance(sizes, torch.Tensor) else tuple(sizes)
+
+
+def _as_given(values) -> list[int] | torch.Tensor:
+    """What the grouped Triton quantizes take: a device tensor as it is (kept there), else a list."""
+    return values if isinstance(values, torch.Tensor) else list(values)
 
 
 def _listed(values: list[int] | torch.Tensor) -> list[int]:
@@ -240,9 +244,8 @@ def quantize_grouped_columns(x: torch.Tensor, fmt: str | Format, widths: list[in
     h_seeds = [0] * len(widths) if hadamard_seeds is None else hadamard_seeds
     if uses_triton(x, backend):
         from .quantize import grouped_column_block_values
-        widths_, seeds_, h_seeds_ = (v if isinstance(v, torch.Tensor) else list(v) for v in (widths, seeds, h_seeds))
-        values, scales = grouped_column_block_values(x, spec.format, widths_, seeds_, hadamard=hadamard,
-                                                     hadamard_seeds=h_seeds_, **kwargs)
+        values, scales = grouped_column_block_values(x, spec.format, _as_given(widths), _as_given(seeds),
+                                                     hadamard=hadamard, hadamard_seeds=_as_given(h_seeds), **kwargs)
         return GroupedValues(values, scales, _kept(widths), spec.format, axis=1)
     rotation = {} if hadamard is None else {"hadamard": hadamard}
     widths, seeds, h_seeds = _listed(widths), _listed(seeds), _listed(h_seeds)

@@ -45,7 +45,7 @@ exactly), the training ``progress`` (for ``bf16_after``), and operand statistics
 and the custom ops of nn.ops (what torch.compile traces).
 
 Public: ``QuantContext``, ``Call``, ``make_call``, ``call_at``, ``layer_key``, ``compute_dtype``,
-``gemms_forward``, ``gemms_backward``, ``fp4_gemms``, ``counts_stay_on_device``, ``recipe_in_force``.
+``gemms_forward``, ``gemms_backward``, ``fp4_gemms``, ``counts_stay_on_device``.
 """
 
 from __future__ import annotations
@@ -223,7 +223,7 @@ def make_call(recipe: Recipe, name: str, context: QuantContext) -> Call:
                    stats=context.stats if context.collect else None, seeds=context.seeds)
     if context.forward_bf16:  # an evaluation: no backward follows, so every GEMM goes BF16 (the
         # recipe's own checks tie dgrad's dithered weight to fprop's)
-        call = dataclasses.replace(call, recipe=_all_bf16(call.recipe))
+        call = dataclasses.replace(call, recipe=dataclasses.replace(call.recipe, **{g: BF16_GEMM for g in GEMMS}))
     return call
 
 
@@ -480,7 +480,7 @@ def _bf16_grouped_runs(recipe: Recipe, device: torch.device, dtype: torch.dtype,
 
 def counts_stay_on_device(recipe: Recipe, device: torch.device, dtype: torch.dtype, n: int, k: int, *,
                           collect: bool = False) -> bool:
-    """Whether a grouped call under ``recipe`` (the one in force: recipe_in_force) with weights
+    """Whether a grouped call under ``recipe`` (the one in force: Recipe.at_progress) with weights
     [G, n, k] can take its groups' counts as a device tensor, never read on the host (what a CUDA
     graph captures): the Triton kernels run, and each GEMM either stays BF16 on one
     torch._grouped_mm or quantizes every group's activations in one launch (the all-at-once
@@ -493,17 +493,6 @@ def counts_stay_on_device(recipe: Recipe, device: torch.device, dtype: torch.dty
     return ((both["fprop"] and _groupable(probe, "fprop", "a") if recipe.fprop.emulated else bf16)
             and (both["dgrad"] and _groupable(probe, "dgrad", "a") if recipe.dgrad.emulated else bf16)
             and (_wgrad_groupable(probe, dtype) if recipe.wgrad.emulated else bf16))
-
-
-def recipe_in_force(recipe: Recipe, context: QuantContext) -> Recipe:
-    """The recipe a layer's calls run under ``context``: at its progress, and every GEMM in BF16
-    under ``forward_bf16`` (make_call's)."""
-    in_force = recipe.at_progress(context.progress)
-    return _all_bf16(in_force) if context.forward_bf16 else in_force
-
-
-def _all_bf16(recipe: Recipe) -> Recipe:
-    return dataclasses.replace(recipe, **{g: BF16_GEMM for g in GEMMS})
 
 
 def _offsets(sizes: list[int] | torch.Tensor, device: torch.device) -> torch.Tensor:

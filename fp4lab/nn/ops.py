@@ -87,11 +87,12 @@ def _calls(layers: torch.Tensor, recipe: int, clock: torch.Tensor, rank: int, se
 def _gemms(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int],
            counts: torch.Tensor | None, layers: torch.Tensor, recipe: int, clock: torch.Tensor, rank: int, seeds: int,
            grouped: bool) -> torch.Tensor:
-    y, _ = gemms_forward(x, weight, bias, _rows(sizes, counts), _calls(layers, recipe, clock, rank, seeds), grouped)
+    y, _ = gemms_forward(x, weight, bias, _sizes_or_counts(sizes, counts), _calls(layers, recipe, clock, rank, seeds),
+                         grouped)
     return y
 
 
-def _rows(sizes: list[int], counts: torch.Tensor | None) -> list[int] | torch.Tensor:
+def _sizes_or_counts(sizes: list[int], counts: torch.Tensor | None) -> list[int] | torch.Tensor:
     return sizes if counts is None else counts
 
 
@@ -104,8 +105,8 @@ def _(x, weight, bias, sizes, counts, layers, recipe, clock, rank, seeds, groupe
 def _gemms_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, sizes: list[int],
                     counts: torch.Tensor | None, layers: torch.Tensor, recipe: int, clock: torch.Tensor, rank: int,
                     seeds: int, grouped: bool, need_dx: bool, need_dw: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    dx, dw = gemms_backward(dy, x, weight, _rows(sizes, counts), _calls(layers, recipe, clock, rank, seeds), grouped,
-                            need_dx=need_dx, need_dw=need_dw)
+    dx, dw = gemms_backward(dy, x, weight, _sizes_or_counts(sizes, counts), _calls(layers, recipe, clock, rank, seeds),
+                            grouped, need_dx=need_dx, need_dw=need_dw)
     # an op returns tensors, never None: an empty one stands for a gradient not asked for
     return (dx if dx is not None else x.new_empty(0)), (dw if dw is not None else weight.new_empty(0))
 
