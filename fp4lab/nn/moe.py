@@ -43,7 +43,7 @@ from torch import nn
 from ..formats.types import Choice
 from .gemms import counts_stay_on_device
 from .linear import QuantContext, compute_dtype, expert_names, grouped_fp4_linear, layer_keys, traced_path
-from .ops import register_recipe
+from .ops import recipe_index, register_recipe, registered_recipe
 from .recipe import Recipe
 
 
@@ -119,7 +119,7 @@ class GroupedExperts(nn.Module):
         if (self.recipe is None or not self.counts_kept or self.context.seeds is None or self.context.collect
                 or self.context.forward_bf16):
             return False
-        return steps_keep_counts(self.recipe, device, *self.w_down.shape[1:], dtype=dtype)
+        return _steps_keep_counts_traced(recipe_index(self.recipe), device, *self.w_down.shape[1:], dtype)
 
     def counts_on_device(self) -> bool:
         """Whether every training step (under bf16 autocast, compiled or not) keeps the routing's
@@ -171,12 +171,22 @@ def steps_keep_counts(recipe: Recipe | None, device: torch.device, dim: int, hid
         counts_stay_on_device(recipe.at_progress(p), device, dtype, dim, hidden) for p in (0.0, 1.0))
 
 
+# the rule asks the machine and the environment (importlib's find_spec, the device's capability),
+# which torch 2.11's dynamo will not trace (a graph break, an error under fullgraph): compiled, it
+# runs once as the graph is traced and its answer is a constant; its arguments are constants there
+# (a recipe by its registry index: 2.11 cannot pass it a frozen dataclass)
+@torch.compiler.assume_constant_result
+def _steps_keep_counts_traced(recipe: int, device: torch.device, dim: int, hidden: int, dtype: torch.dtype) -> bool:
+    return steps_keep_counts(registered_recipe(recipe), device, dim, hidden, dtype=dtype)
+
+
 def device_counts_allowed() -> bool:
     """False under FP4LAB_DEVICE_COUNTS=0: FP4 experts read the routing's counts on the host (the
     same bits; a fallback to compare with, not a recipe)."""
     return os.environ.get("FP4LAB_DEVICE_COUNTS", "1").lower() not in ("0", "false", "off", "no")
 
 
+@torch.compiler.assume_constant_result  # (the device's capability: a constant where compiled, as above)
 def grouped_mm_runs(device: torch.device, dtype: torch.dtype, dim: int, hidden: int) -> bool:
     """Whether BF16 experts of this width multiply on torch._grouped_mm (one call, the counts kept
     on the device) rather than the per-expert loop (the counts read on the host)."""

@@ -29,7 +29,7 @@ where each expert's weight quantized alone cost two launches an expert), and a d
 is dithered again in backward (the same seed). Operand statistics (a Python
 side effect) are not collected here: layers with ``context.collect`` take the eager path.
 
-Public: ``register_recipe``, ``recipe_index``, ``fp4_gemms_op``.
+Public: ``register_recipe``, ``recipe_index``, ``registered_recipe``, ``fp4_gemms_op``.
 """
 
 from __future__ import annotations
@@ -74,13 +74,18 @@ def recipe_index(recipe: Recipe) -> int:
     return _register_traced(recipe)
 
 
+def registered_recipe(index: int) -> Recipe:
+    """The recipe register_recipe gave ``index``."""
+    return _RECIPES[index]
+
+
 def _calls(layers: torch.Tensor, recipe: int, clock: torch.Tensor, rank: int, seeds: int):
     table = table_at(seeds)
     if table is None and capturing():  # int seeds: a CUDA graph would freeze the first step's
         raise RuntimeError("the compiled FP4 ops draw int seeds here, which a CUDA graph would freeze: give the "
                            "QuantContext a nn.seeds.SeedTable before compiling (train.graphed does)")
     tick, progress = clock.tolist()
-    return [call_at(_RECIPES[recipe], layer, int(tick), progress, rank, seeds=table) for layer in layers.tolist()]
+    return [call_at(registered_recipe(recipe), layer, int(tick), progress, rank, seeds=table) for layer in layers.tolist()]
 
 
 @torch.library.custom_op("fp4lab::gemms", mutates_args=())

@@ -182,6 +182,27 @@ def test_a_compiled_fp4_moe_layer_keeps_the_counts_on_the_device_in_one_graph(na
         assert torch.equal(a, b)
 
 
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (TRITON_INTERPRET=1 on a CPU)")
+def test_a_compiled_moe_layer_asks_the_device_count_rule_outside_the_trace(monkeypatch):
+    """The rule asks the machine (importlib's find_spec, the device's capability), which torch
+    2.11's dynamo will not trace: on the H100 the test above broke its graph there. Compiled, the
+    rule runs outside the trace and its answer is a constant. A rule that breaks any trace
+    stands in for it, so this fails on every torch version if the rule is traced again."""
+    rule, asked = moe_module.steps_keep_counts, []
+
+    def untraceable(*args, **kwargs):
+        torch._dynamo.graph_break()  # (a no-op outside a trace)
+        asked.append(args)
+        return rule(*args, **kwargs)
+    monkeypatch.setattr(moe_module, "steps_keep_counts", untraceable)
+    seen, spy = [], moe_module.grouped_fp4_linear
+    monkeypatch.setattr(moe_module, "grouped_fp4_linear", lambda x, w, counts, *a, **k: (
+        seen.append(isinstance(counts, torch.Tensor)), spy(x, w, counts, *a, **k))[1])
+    recipe = preset("nvfp4").override({"keep_first": 0, "keep_last": 0})
+    _run(recipe, True, "triton", monkeypatch, table=True, compiled=True)  # fullgraph (undoes the patches)
+    assert asked and seen and all(seen)
+
+
 def test_which_recipes_keep_the_counts_on_the_device():
     """The rule (nn.gemms.counts_stay_on_device): every GEMM either quantizes all experts'
     activations in one launch or stays BF16 on torch._grouped_mm (CUDA sm_90); statistics, a
