@@ -3,6 +3,7 @@
 # (runs/) while it stays warm, so one call starts the work in the background and the next calls
 # wait on it, each bringing back what finished.
 #   scripts/gpu_campaign.sh start NAME PHASE...   run the phases one after another, in the background
+#                                                 (study phases need SCALE set in the same call)
 #   scripts/gpu_campaign.sh wait [SECONDS]        wait until every campaign is done (or SECONDS pass),
 #                                                 refreshing $OUT/runs.tgz every minute and at the end
 #   scripts/gpu_campaign.sh collect               $OUT/runs.tgz: receipts, logs, sizes (never checkpoints)
@@ -127,9 +128,15 @@ run_phases() {
 
 case ${1:-} in
   start) name=$2; shift 2
+         # each device call is a fresh shell: a SCALE exported in an earlier call is gone, and a
+         # study phase would run at the default gpu-medium unnoticed (the thirteenth session's
+         # third call did); a campaign started in the background says its scale out loud
+         if [[ " $* " == *" study:"* && -z "${SCALE:-}" ]]; then
+           echo "refused: study phases need SCALE set in this call (SCALE=gpu-medium for the default)"; exit 2
+         fi
          : > "$ROOT/$name.log"  # there before start returns: a wait right after sees it pending
          setsid nohup bash "$0" run "$@" > "$ROOT/$name.log" 2>&1 < /dev/null &
-         echo "started $name: $*" ;;
+         echo "started $name${SCALE:+ at $SCALE}: $*" ;;
   run) shift; run_phases "$@" ;;
   wait) end=$(( $(date +%s) + ${2:-540} )) last=0
         # no campaign log here: the wrong folder (a call's `cd` put in a background job), not a
