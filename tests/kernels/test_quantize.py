@@ -511,3 +511,24 @@ def test_a_pairs_bytes_do_not_depend_on_its_tile(tile, monkeypatch):
     want = kernels.quantize_values_pair(x, "nvfp4", backend="reference", **kw)
     for g, w in zip(got, want):
         assert_same_values(g, w)
+
+
+def test_the_moe_quantize_benchmark_times_the_calls_a_graphed_moe_step_makes(monkeypatch):
+    """benchmarks/bench_moe_quantizes.py's cases, at small sizes: each runs on the Triton path,
+    the grouped ones with the counts kept on the device (what a graphed step launches; their
+    bytes are the grouped quantize tests' business)."""
+    import importlib
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    bench = importlib.import_module("benchmarks.bench_moe_quantizes")
+    monkeypatch.setenv("FP4LAB_BACKEND", "triton")
+    counts = bench.routed_counts(96, 4, 2)
+    assert int(counts.sum()) == 192 and counts.numel() == 4
+    timed = bench.cases(counts, 32, 48, 64, dev=DEVICE)
+    assert len(timed) == 9
+    for name, (fn, nbytes) in timed.items():
+        got = fn()
+        assert nbytes > 0, name
+        if isinstance(got, kernels.GroupedValues):  # device sizes kept as they are: never read
+            assert isinstance(got.sizes, torch.Tensor), name

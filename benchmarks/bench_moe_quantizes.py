@@ -1,0 +1,96 @@
+"""The quantize launches of one FP4 MoE projection at moe64's step shapes, each timed alone.
+
+    python benchmarks/bench_moe_quantizes.py [--tokens 8192 --dim 512 --hidden 256 --experts 64 --top 6]
+
+The graphed moe64 step spends about 14 ms of its GPU time in quantize passes against about 3 ms
+of bytes (benchmarks/NOTES.md, 2026-11-26): this splits that time by the copy NVIDIA's recipe
+makes of the routed rows (S = tokens x top rows over the experts, counts kept on the device as in a
+graphed step), at the projection's two widths (gate/up read x [S, dim], down reads h [S, hidden]):
+
+- ``x rows``: fprop's copy of x, 1x16 blocks along the width, round to nearest (grouped amax + values);
+- ``dy rows SR``: dgrad's copy of dy, stochastic rounding;
+- ``x columns RHT``: wgrad's copy of x along the tokens (padded per expert to 32), random-sign
+  Hadamard (a rotated amax pass + the values pass);
+- ``dy columns RHT+SR``: wgrad's copy of dy, rotated and stochastically rounded;
+- and, for scale, a dense linear's pair (both copies of [tokens, dim] from one read).
+
+Each is replayed from a CUDA graph (device time), as a fraction of the device's copy bandwidth.
+Bytes counted: one read (2 per element) and the block values written (2 per element per copy),
+so a copy that reads its input twice (an amax pass first) shows the second read in the ratio. Writes benchmarks/results/moe_quantizes.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import copy_bandwidth_gbs, environment, graph_ms, save  # noqa: E402
+from fp4lab import kernels  # noqa: E402
+
+_RHT = {"hadamard": "random"}
+
+
+def routed_counts(tokens: int, experts: int, top: int, seed: int = 0) -> torch.Tensor:
+    """A routing's rows per expert: tokens x top rows over the experts, unevenly (a multinomial
+    of skewed weights, as a router early in training gives)."""
+    gen = torch.Generator().manual_seed(seed)
+    weights = torch.rand(experts, generator=gen) + 0.5
+    picks = torch.multinomial(weights, tokens * top, replacement=True, generator=gen)
+    return torch.bincount(picks, minlength=experts)
+
+
+def cases(counts: torch.Tensor, dim: int, hidden: int, tokens: int, dev: str = "cuda") -> dict:
+    """name -> (fn, ideal bytes: one read of bf16, block values written): every launch on the device, the counts never read there
+    (``dev`` cpu under TRITON_INTERPRET=1: a check of the calls at small sizes)."""
+    sizes = counts.to(dev)
+    widths = ((counts + 31) // 32 * 32).to(dev)  # wgrad's token axis, padded per expert
+    seeds = torch.arange(1, counts.numel() + 1, dtype=torch.int64, device=dev)
+    rows, padded = int(counts.sum()), int(widths.sum())
+    out = {}
+    for width, label in ((dim, f"[S, {dim}]"), (hidden, f"[S, {hidden}]")):
+        x = torch.randn(rows, width, device=dev, dtype=torch.bfloat16)
+        xp = torch.randn(padded, width, device=dev, dtype=torch.bfloat16)
+        out[f"x rows {label}"] = (lambda x=x: kernels.quantize_grouped_values(x, "nvfp4", sizes, seeds), 4 * x.numel())
+        out[f"dy rows SR {label}"] = (lambda x=x: kernels.quantize_grouped_values(
+            x, "nvfp4", sizes, seeds, rounding="stochastic"), 4 * x.numel())
+        out[f"x columns RHT {label}"] = (lambda x=xp: kernels.quantize_grouped_columns(
+            x, "nvfp4", widths, seeds, hadamard_seeds=seeds, **_RHT), 4 * xp.numel())
+        out[f"dy columns RHT+SR {label}"] = (lambda x=xp: kernels.quantize_grouped_columns(
+            x, "nvfp4", widths, seeds, hadamard_seeds=seeds, rounding="stochastic", **_RHT), 4 * xp.numel())
+    dense = torch.randn(tokens, dim, device=dev, dtype=torch.bfloat16)
+    out[f"dense pair [{tokens}, {dim}]"] = (lambda: kernels.quantize_values_pair(
+        dense, "nvfp4", rows={}, columns={"rounding": "stochastic", "hadamard_seed": 7, **_RHT},
+        columns_len=tokens), 6 * dense.numel())  # one read, two copies written
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--dim", type=int, default=512)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--experts", type=int, default=64)
+    parser.add_argument("--top", type=int, default=6)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_moe_quantizes.py times CUDA kernels: run it on a GPU")
+    counts = routed_counts(args.tokens, args.experts, args.top)
+    copy = copy_bandwidth_gbs()
+    results = {}
+    print(f"routed rows {int(counts.sum())} over {args.experts} experts (min {int(counts.min())}, "
+          f"max {int(counts.max())}); device copy {copy:.0f} GB/s")
+    for name, (fn, nbytes) in cases(counts, args.dim, args.hidden, args.tokens).items():
+        fn()  # compile outside the graph
+        ms = graph_ms(fn)
+        gbs = nbytes / ms / 1e6
+        results[name] = {"ms": ms, "gb_per_s": gbs, "of_copy": gbs / copy}
+        print(f"{name:34s} {ms * 1e3:8.1f} us  {gbs:7.0f} GB/s  {gbs / copy:5.2f} of copy")
+    save("moe_quantizes", {**environment(), "copy_gb_per_s": copy, "args": vars(args), "cases": results})
+
+
+if __name__ == "__main__":
+    main()
