@@ -1,0 +1,46 @@
+"""benchmarks/step_speed.py: the step-speed table read from the benchmarks' JSON files."""
+
+import importlib
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+step_speed = importlib.import_module("benchmarks.step_speed")
+
+
+def _write(root: Path, name: str, git: str, **body) -> None:
+    (root / name).write_text(json.dumps({"git": git, "date": "2026-11-26", "device": "H100", **body}))
+
+
+def _row(text: str, label: str) -> list[str]:
+    return next(line for line in text.splitlines() if line.startswith(f"| {label} |")).split(" | ")
+
+
+def test_the_table_divides_the_runs_judges_the_targets_and_names_each_run(tmp_path):
+    arms = {"bf16/eager": {"step_ms": 10.0}, "nvfp4/eager": {"step_ms": 12.0},
+            "bf16/compiled": {"step_ms": 5.0}, "nvfp4/compiled": {"step_ms": 9.0}}
+    _write(tmp_path, "model.json", "abc1234", arms=arms)
+    _write(tmp_path, "model_moe64.json", "abc1234",
+           arms={"bf16/eager": {"step_ms": 50.0, "tokens_per_s": 160e3}})
+    _write(tmp_path, "quantize.json", "abc1234", cases={"nvfp4_rtne": {"over_copy": 0.4}})
+    text = step_speed.table(tmp_path)
+    eager = _row(text, "d12 step, NVFP4 / BF16, eager (16 x 1024 tokens)")
+    assert eager[1] == "1.20x" and eager[3] == "yes" and "abc1234" in eager[5]
+    assert _row(text, "d12 step, compiled, against compiled BF16")[1:4] == ["1.80x", "at most 1.30x", "no"]
+    assert _row(text, "d12 step, graphed")[1] == "not measured"  # the mode was not run
+    tokens = _row(text, "moe64 step in BF16, eager (8 x 1024 tokens), tokens/s")
+    assert tokens[1] == "160.0k tokens/s" and tokens[3] == "yes"  # at least 150k: met
+    amax = _row(text, "quantize incl. amax, over copy bandwidth")
+    assert amax[3] == "no" and "0.56" in amax[4]
+    assert "linear.json: missing" in text
+    assert "One device run" in text  # the files there agree on their commit
+    _write(tmp_path, "linear.json", "def5678", shapes={})
+    assert "Not one run: the files come from commits abc1234, def5678" in step_speed.table(tmp_path)
+
+
+def test_main_writes_the_table_beside_the_results(tmp_path, capsys):
+    _write(tmp_path, "model.json", "abc1234", arms={})
+    step_speed.main(["--results", str(tmp_path)])
+    assert (tmp_path / "step_speed.md").read_text().startswith("# Step speed against the targets")
+    assert "| figure | measured |" in capsys.readouterr().out
