@@ -119,7 +119,13 @@ class GroupedExperts(nn.Module):
         if (self.recipe is None or not self.counts_kept or self.context.seeds is None or self.context.collect
                 or self.context.forward_bf16):
             return False
-        return _steps_keep_counts_traced(recipe_index(self.recipe), device, *self.w_down.shape[1:], dtype)
+        # what the rule reads from the environment, read here: a compiled graph guards on it, so a
+        # change of a variable set when it was traced recompiles (the constant below carries no
+        # guard of its own; the decision is meant for the whole run anyway)
+        environment = (device_counts_allowed(), os.environ.get("FP4LAB_BACKEND", "auto"),
+                       os.environ.get("TRITON_INTERPRET", ""))
+        return _steps_keep_counts_traced(recipe_index(self.recipe), device, *self.w_down.shape[1:], dtype,
+                                         *environment)
 
     def counts_on_device(self) -> bool:
         """Whether every training step (under bf16 autocast, compiled or not) keeps the routing's
@@ -174,9 +180,11 @@ def steps_keep_counts(recipe: Recipe | None, device: torch.device, dim: int, hid
 # the rule asks the machine and the environment (importlib's find_spec, the device's capability),
 # which torch 2.11's dynamo will not trace (a graph break, an error under fullgraph): compiled, it
 # runs once as the graph is traced and its answer is a constant; its arguments are constants there
-# (a recipe by its registry index: 2.11 cannot pass it a frozen dataclass)
+# (a recipe by its registry index: 2.11 cannot pass it a frozen dataclass). ``environment`` is
+# what the rule reads from os.environ, read by the traced caller so that the graph guards on it
 @torch.compiler.assume_constant_result
-def _steps_keep_counts_traced(recipe: int, device: torch.device, dim: int, hidden: int, dtype: torch.dtype) -> bool:
+def _steps_keep_counts_traced(recipe: int, device: torch.device, dim: int, hidden: int, dtype: torch.dtype,
+                              *environment: object) -> bool:
     return steps_keep_counts(registered_recipe(recipe), device, dim, hidden, dtype=dtype)
 
 

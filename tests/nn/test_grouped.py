@@ -203,6 +203,33 @@ def test_a_compiled_moe_layer_asks_the_device_count_rule_outside_the_trace(monke
     assert asked and seen and all(seen)
 
 
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (TRITON_INTERPRET=1 on a CPU)")
+def test_a_compiled_moe_layer_sees_the_environment_the_rule_reads_change(monkeypatch):
+    """The rule's answer is a constant in the compiled graph, but what it reads from the
+    environment is read where the graph guards on it: FP4LAB_DEVICE_COUNTS=0 after a compiled
+    call recompiles to host counts, where a stale constant would keep the device's."""
+    monkeypatch.setenv("FP4LAB_BACKEND", "triton")
+    monkeypatch.setenv("FP4LAB_DEVICE_COUNTS", "1")
+    torch.manual_seed(0)
+    moe = MoE(64, MoEConfig(n_experts=4, top_k=2, n_shared=0, expert_hidden=64)).to(DEVICE)
+    context = quantize_model(torch.nn.Sequential(moe), preset("nvfp4").override({"keep_first": 0, "keep_last": 0}))
+    context.seeds, context.tick = SeedTable(DEVICE, capacity=4), 7
+    seen, spy = [], moe_module.grouped_fp4_linear
+    monkeypatch.setattr(moe_module, "grouped_fp4_linear", lambda x, w, counts, *a, **k: (
+        seen.append(isinstance(counts, torch.Tensor)), spy(x, w, counts, *a, **k))[1])
+    torch._dynamo.reset()
+    run = torch.compile(moe, backend="aot_eager")
+    x = torch.randn(2, 24, 64, device=DEVICE)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16), torch.no_grad():
+        first = run(x)
+        kept, seen[:] = list(seen), []
+        monkeypatch.setenv("FP4LAB_DEVICE_COUNTS", "0")
+        second = run(x)
+    assert kept and all(kept)  # device counts
+    assert seen and not any(seen)  # host counts, after the recompile
+    assert torch.equal(first, second)  # the same bits either way
+
+
 def test_which_recipes_keep_the_counts_on_the_device():
     """The rule (nn.gemms.counts_stay_on_device): every GEMM either quantizes all experts'
     activations in one launch or stays BF16 on torch._grouped_mm (CUDA sm_90); statistics, a

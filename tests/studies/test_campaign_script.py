@@ -17,7 +17,12 @@ def test_a_study_campaign_without_a_scale_is_refused_before_it_starts(tmp_path):
     (tmp_path / "scripts").mkdir()
     for name in ("gpu_campaign.sh", "quiet.sh"):
         shutil.copy(SCRIPTS / name, tmp_path / "scripts" / name)
-    env = {k: v for k, v in os.environ.items() if k != "SCALE"} | {"OUT": str(tmp_path / "out")}
+    stub = tmp_path / "bin"  # a python3 that does nothing: a regressed guard starts no real study
+    stub.mkdir()
+    (stub / "python3").write_text("#!/bin/sh\nexit 0\n")
+    (stub / "python3").chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "SCALE"} | {
+        "OUT": str(tmp_path / "out"), "PATH": f"{stub}{os.pathsep}{os.environ.get('PATH', '')}"}
     done = subprocess.run(["bash", "scripts/gpu_campaign.sh", "start", "m", "receipts", "study:gains@2"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "SCALE" in done.stdout
