@@ -233,24 +233,31 @@ def _listed(values: list[int] | torch.Tensor) -> list[int]:
 def quantize_grouped_columns(x: torch.Tensor, fmt: str | Format, widths: list[int] | torch.Tensor,
                              seeds: list[int] | torch.Tensor, *, hadamard=None,
                              hadamard_seeds: list[int] | torch.Tensor | None = None,
+                             rows: list[int] | torch.Tensor | None = None,
                              backend: str | Backend | None = None, **kwargs) -> GroupedValues:
     """x: [S, K], groups of ``widths`` rows back to back (each a positive multiple of 32) ->
     GroupedValues along axis 1 ([K, S]): group g's columns are quantize_values(x_g, fmt, axis=0,
     seed=seeds[g], hadamard=hadamard, hadamard_seed=hadamard_seeds[g], **kwargs) as alone (wgrad's
     operands of MoE experts, their tokens padded per expert): two Triton launches for all of
     them, or a loop on the reference joined by one copy. Device tensors as in
-    quantize_grouped_values (widths of 0 allowed on the Triton path)."""
+    quantize_grouped_values (widths of 0 allowed on the Triton path). With ``rows`` x holds the
+    groups unpadded (rows[g] <= widths[g] each, back to back), each read as if zero-padded to its
+    width: the same result with no padded copy of x made first
+    (quantize.grouped_column_block_values says the padded length under device counts)."""
     spec = formats.spec_of(fmt)
     h_seeds = [0] * len(widths) if hadamard_seeds is None else hadamard_seeds
     if uses_triton(x, backend):
         from .quantize import grouped_column_block_values
         values, scales = grouped_column_block_values(x, spec.format, _as_given(widths), _as_given(seeds),
-                                                     hadamard=hadamard, hadamard_seeds=_as_given(h_seeds), **kwargs)
+                                                     hadamard=hadamard, hadamard_seeds=_as_given(h_seeds),
+                                                     rows=None if rows is None else _as_given(rows), **kwargs)
         return GroupedValues(values, scales, _kept(widths), spec.format, axis=1)
     rotation = {} if hadamard is None else {"hadamard": hadamard}
     widths, seeds, h_seeds = _listed(widths), _listed(seeds), _listed(h_seeds)
+    groups = x.split(widths) if rows is None else [  # each group zero-padded to its width here
+        torch.nn.functional.pad(xg, (0, 0, 0, w - xg.shape[0])) for xg, w in zip(x.split(_listed(rows)), widths)]
     parts = [BlockValues.of(spec.quantize(xg, axis=0, seed=seed, pad=False, hadamard_seed=h, **rotation, **kwargs))
-             for xg, seed, h in zip(x.split(widths), seeds, h_seeds)]
+             for xg, seed, h in zip(groups, seeds, h_seeds)]
     return GroupedValues(torch.cat([p.matrix for p in parts], dim=1), _tensor_scales(parts), tuple(widths),
                          spec.format, axis=1)
 

@@ -279,13 +279,13 @@ def _mx_exponent(bamax, RULE: tl.constexpr):
 
 @triton.jit
 def _fp4_quantize_kernel(x_ptr, codes_ptr, scales_ptr, amax_ptr, s_dec_ptr, seed, hadamard_seed,
-                         start_ptr, seeds_ptr, h_seeds_ptr, n_groups,
+                         start_ptr, seeds_ptr, h_seeds_ptr, n_groups, src_ptr,
                          R, L, R_OUT, LP, stride_r, stride_c,
                          SCALE_RULE: tl.constexpr, BLOCK: tl.constexpr, TILE_ROWS: tl.constexpr,
                          STOCHASTIC: tl.constexpr, BF16_BITS: tl.constexpr, HADAMARD: tl.constexpr,
                          AMAX_ONLY: tl.constexpr, OUT_VALUES: tl.constexpr, TRANSPOSED: tl.constexpr,
                          GROUPED: tl.constexpr, SEED_IN_MEMORY: tl.constexpr, H_SEED_IN_MEMORY: tl.constexpr,
-                         BR: tl.constexpr, BC: tl.constexpr):
+                         SRC_GROUPS: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
     NB: tl.constexpr = BC // BLOCK
     rows = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
     # what Philox counts: group index = local row * lp_of / 16 + column / 16 - col_base
@@ -294,6 +294,7 @@ def _fp4_quantize_kernel(x_ptr, codes_ptr, scales_ptr, amax_ptr, s_dec_ptr, seed
         group = group_of(rows, start_ptr, n_groups)
         local = rows - tl.load(start_ptr + group)  # the row within its group
         amax_at, seed_of, h_seed, lp_of = amax_ptr + group, tl.load(seeds_ptr + group)[:, None], hadamard_seed, LP
+        src_shift, data_end = 0, L
     elif GROUPED == COL_GROUPS:  # the program's columns lie in one group (start_ptr holds G + 1 edges)
         col0 = tl.program_id(1) * BC
         group = group_of(col0, start_ptr, n_groups)
@@ -301,19 +302,25 @@ def _fp4_quantize_kernel(x_ptr, codes_ptr, scales_ptr, amax_ptr, s_dec_ptr, seed
         local, amax_at, seed_of = rows, amax_ptr + group, tl.load(seeds_ptr + group)
         h_seed, lp_of = tl.load(h_seeds_ptr + group), tl.load(start_ptr + group + 1) - start
         col_base = (col0 - start) // 16
+        if SRC_GROUPS:  # x unpadded: group g's rows sit src_ptr[g] earlier there, src_ptr[G + g] of them
+            src_shift, data_end = tl.load(src_ptr + group), start + tl.load(src_ptr + n_groups + group)
+        else:
+            src_shift, data_end = 0, L
     else:
         local, amax_at, seed_of, h_seed, lp_of, group = rows, amax_ptr, seed, hadamard_seed, LP, 0
+        src_shift, data_end = 0, L
         if SEED_IN_MEMORY:  # a device seed (seeds_ptr[0]): a captured graph reads each replay's own
             seed_of = tl.load(seeds_ptr)
         if H_SEED_IN_MEMORY:
             h_seed = tl.load(h_seeds_ptr)
     cols = (tl.program_id(1) * BC + tl.arange(0, BC)).to(tl.int64)
+    src = cols - src_shift  # where column `cols` of the (padded) layout lies in x; past data_end: zeros
     if TRANSPOSED:  # rows are contiguous in memory: load the tile the way memory runs, flip in registers
-        inside_t = (cols[:, None] < L) & (rows[None, :] < R)
-        x = tl.trans(tl.load(x_ptr + cols[:, None] * stride_c + rows[None, :] * stride_r, mask=inside_t, other=0.0))
+        inside_t = (cols[:, None] < data_end) & (rows[None, :] < R)
+        x = tl.trans(tl.load(x_ptr + src[:, None] * stride_c + rows[None, :] * stride_r, mask=inside_t, other=0.0))
     else:
-        inside = (rows[:, None] < R) & (cols[None, :] < L)
-        x = tl.load(x_ptr + rows[:, None] * stride_r + cols[None, :] * stride_c, mask=inside, other=0.0)
+        inside = (rows[:, None] < R) & (cols[None, :] < data_end)
+        x = tl.load(x_ptr + rows[:, None] * stride_r + src[None, :] * stride_c, mask=inside, other=0.0)
     x = tl.reshape(widen(x, BF16_BITS), (BR, NB, BLOCK))
     if HADAMARD != NO_ROTATION:
         x = _hadamard(x, h_seed, HADAMARD, BF16_BITS, BR, NB, BLOCK)
@@ -462,13 +469,16 @@ def _strided_2d(x: torch.Tensor, axis: int) -> tuple[torch.Tensor, int, int, int
 def _launch(x: torch.Tensor, axis: int, block: tuple[int, int], pad: bool, rule: int,
             amax: torch.Tensor | None, s_dec: torch.Tensor | None, stochastic: bool, seed: int | torch.Tensor,
             hadamard: int = NO_ROTATION.value, hadamard_seed: int | torch.Tensor = 0, amax_only: bool = False,
-            out_values: bool = False, grouped: tuple | None = None, group_mode: int = NO_GROUPS.value
-            ) -> tuple[torch.Tensor, torch.Tensor, int]:
+            out_values: bool = False, grouped: tuple | None = None, group_mode: int = NO_GROUPS.value,
+            src_groups: tuple[torch.Tensor, int] | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
     """One quantize launch (grouped: (edges, seeds, hadamard seeds, groups) device tensors and
     count, group_mode ROW_GROUPS or COL_GROUPS). A seed given as a tensor (_kernel_seed) is read
-    by the kernel from memory."""
-    axis, pads = check_input(x, axis, block, pad)
+    by the kernel from memory. ``src_groups`` (COL_GROUPS only): (each group's shift and row count
+    on the device, the padded length): x holds the groups unpadded, read as the padded layout."""
+    axis, pads = check_input(x, axis, block, pad or src_groups is not None)
     src, rows, length, stride_r, stride_c = _strided_2d(x, axis)
+    if src_groups is not None:  # the kernel reads x's groups where the padded layout puts them
+        length, pads[0] = src_groups[1], 0
     lp, rows_out = length + pads[0], rows + pads[1]
     lead = list(x.shape)
     lead.pop(axis)
@@ -496,12 +506,14 @@ def _launch(x: torch.Tensor, axis: int, block: tuple[int, int], pad: bool, rule:
         _fp4_quantize_kernel[grid](src.view(torch.int16) if bf16 else src, codes, scales,
                                    codes if amax is None else amax, codes if s_dec is None else s_dec,
                                    0 if in_memory[0] else seed, 0 if in_memory[1] else hadamard_seed, *grouped,
+                                   codes if src_groups is None else src_groups[0],
                                    rows, length, rows_out, lp, stride_r, stride_c,
                                    SCALE_RULE=rule, BLOCK=block[1], TILE_ROWS=block[0],
                                    STOCHASTIC=stochastic, BF16_BITS=bf16, HADAMARD=hadamard,
                                    AMAX_ONLY=amax_only, OUT_VALUES=out_values, TRANSPOSED=transposed,
                                    GROUPED=group_mode, SEED_IN_MEMORY=in_memory[0],
-                                   H_SEED_IN_MEMORY=in_memory[1], BR=br, BC=bc, num_warps=warps,
+                                   H_SEED_IN_MEMORY=in_memory[1], SRC_GROUPS=src_groups is not None,
+                                   BR=br, BC=bc, num_warps=warps,
                                    enable_fp_fusion=False)
     return codes, scales, axis
 
@@ -785,8 +797,8 @@ def grouped_column_block_values(x: torch.Tensor, fmt: Format, widths: list[int] 
                                 block: int | tuple[int, int] = 16, rounding: str | Rounding = Rounding.RTNE,
                                 profile: str | NVFP4Profile = NVFP4Profile.TE,
                                 mode: str | MXScaleMode = MXScaleMode.FLOOR, hadamard: str | HadamardSigns | None = None,
-                                hadamard_seeds: list[int] | torch.Tensor | None = None
-                                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                                hadamard_seeds: list[int] | torch.Tensor | None = None,
+                                rows: list[int] | torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """x: [S, K] bf16/fp32, groups of ``widths`` rows back to back (each a positive multiple of
     32: wgrad's token axis, padded per MoE expert) -> (values [K, S] bf16, S_dec [G] fp32 or None):
     the columns of group g are block_values of quantizing its rows alone along axis 0 (1x16 or
@@ -794,18 +806,35 @@ def grouped_column_block_values(x: torch.Tensor, fmt: Format, widths: list[int] 
     random signs). One launch for the amax of every group (NVFP4), one for the values. ``widths``
     may be a tensor on x's device (each expert's padded token count, never read on the host: a
     CUDA graph can capture the launches; widths of 0 allowed), and the seeds then too, as in
-    grouped_block_values."""
+    grouped_block_values.
+
+    ``rows`` (host ints, or a device tensor where ``widths`` is one): x holds each group's rows
+    unpadded, rows[g] <= widths[g] of them back to back, and the launches read them where the
+    padded layout puts them, its padding as zeros: the same bytes with no padded copy of x. The
+    padded length is sum(widths), or with device counts the most any split needs, S + 31 G
+    rounded up to 32 (what nn's wgrad multiplies)."""
     rounding = Rounding.parse(rounding)
     size = 16 if fmt is Format.NVFP4 else MX_BLOCK
-    check_input(x, 0, (1, size), False)
+    check_input(x, 0, (1, size), rows is not None)  # unpadded groups: any number of rows
     signs = None if hadamard is None else HadamardSigns.parse(hadamard)
     if fmt is Format.NVFP4 and _nvfp4_block(block) != (1, 16):
         raise ValueError(f"grouped_column_block_values takes 1x16 NVFP4 blocks, got {block}")
     on_device = isinstance(widths, torch.Tensor)
+    if rows is not None and isinstance(rows, torch.Tensor) != on_device:
+        raise ValueError("grouped_column_block_values: rows and widths are both device tensors or both host ints")
     if on_device:
         widths = device_counts(widths, len(seeds), x.device, "widths").to(torch.int64)
+        if rows is not None:
+            rows = device_counts(rows, len(seeds), x.device, "rows").to(torch.int64)
+    padded = x.shape[0] if rows is None else (
+        -(-(x.shape[0] + (COL_GROUP_WIDTH - 1) * len(widths)) // COL_GROUP_WIDTH) * COL_GROUP_WIDTH if on_device
+        else sum(widths))
+    if rows is not None and not on_device and (len(rows) != len(widths) or sum(rows) != x.shape[0]
+                                               or any(not 0 <= n <= w for n, w in zip(rows, widths))):
+        raise ValueError(f"grouped_column_block_values: x {tuple(x.shape)} does not hold groups of {list(rows)} rows, "
+                         f"each at most its width in {list(widths)}")
     if (x.dim() != 2 or x.shape[1] == 0 or len(widths) != len(seeds) or not on_device and (
-            sum(widths) != x.shape[0] or any(w <= 0 or w % COL_GROUP_WIDTH for w in widths)) or (signs is not None and (
+            sum(widths) != padded or any(w <= 0 or w % COL_GROUP_WIDTH for w in widths)) or (signs is not None and (
                 x.dtype not in (torch.float32, torch.bfloat16) or (signs is HadamardSigns.TE and size != 16)))):
         raise ValueError(f"grouped_column_block_values: x {tuple(x.shape)} {x.dtype} does not split into groups "
                          f"of {list(widths)} rows (each a positive multiple of {COL_GROUP_WIDTH}) with "
@@ -826,19 +855,31 @@ def grouped_column_block_values(x: torch.Tensor, fmt: Format, widths: list[int] 
                           torch.tensor([_seed(rounding, s) for s in seeds] + h_seeds, dtype=torch.int64)]
                          ).to(x.device, non_blocking=True)  # no stream sync, as matmul's tile lists
         grouped = (meta[: g + 1], meta[g + 1: 2 * g + 1], meta[2 * g + 1:], g)
+    src = None if rows is None else (_source_groups(widths, rows, x.device), padded)
     rotation = NO_ROTATION.value if signs is None else HADAMARD_RULES[signs]
     stochastic = rounding is Rounding.STOCHASTIC
     if fmt is Format.NVFP4:
         amax = torch.zeros(g, dtype=torch.int32, device=x.device)
         _launch(x, 0, (1, 16), False, NV_TE.value, amax, None, False, 0, rotation, 0, amax_only=True, grouped=grouped,
-                group_mode=COL_GROUPS.value)
+                group_mode=COL_GROUPS.value, src_groups=src)
         s_dec = torch.empty(g, dtype=torch.float32, device=x.device)  # written by the kernel
         values, _, _ = _launch(x, 0, (1, 16), False, NV_RULES[NVFP4Profile.parse(profile)], amax, s_dec, stochastic,
-                               0, rotation, 0, out_values=True, grouped=grouped, group_mode=COL_GROUPS.value)
+                               0, rotation, 0, out_values=True, grouped=grouped, group_mode=COL_GROUPS.value,
+                               src_groups=src)
         return values.view(torch.bfloat16), s_dec
     values, _, _ = _launch(x, 0, (1, MX_BLOCK), False, MX_RULES[MXScaleMode.parse(mode)], None, None, stochastic, 0,
-                           rotation, 0, out_values=True, grouped=grouped, group_mode=COL_GROUPS.value)
+                           rotation, 0, out_values=True, grouped=grouped, group_mode=COL_GROUPS.value, src_groups=src)
     return values.view(torch.bfloat16), None
+
+
+def _source_groups(widths: list[int] | torch.Tensor, rows: list[int] | torch.Tensor,
+                   device: torch.device) -> torch.Tensor:
+    """[2 G] int64 on the device: each group's shift from the padded layout back to x (its first
+    padded row minus its first row in x), then its row count."""
+    if isinstance(rows, torch.Tensor):
+        return torch.cat([(widths.cumsum(0) - widths) - (rows.cumsum(0) - rows), rows])
+    shifts = list(itertools.accumulate((w - n for w, n in zip(widths, rows)), initial=0))[:-1]  # padding before g
+    return torch.tensor(shifts + list(rows), dtype=torch.int64).to(device, non_blocking=True)
 
 
 def _logical_rows(x: torch.Tensor, axis: int) -> int:

@@ -51,7 +51,6 @@ Public: ``QuantContext``, ``Call``, ``make_call``, ``call_at``, ``layer_key``, `
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import os
 import zlib
 from dataclasses import dataclass, field
@@ -293,8 +292,9 @@ def _wgrad_all_at_once(dy: torch.Tensor, x: torch.Tensor, rows: list[int], calls
     m = WGRAD_ROW_MULTIPLE
     widths = (rows + m - 1) // m * m if isinstance(rows, torch.Tensor) else [n + (-n % m) for n in rows]
     h_seeds = _group_rotation_seeds(calls, "wgrad") if rotation is not None else None
+    # read in place from the routed rows, each expert's padding as zeros (no padded copy first)
     a, b = (kernels.quantize_grouped_columns(
-        _pad_groups(t, rows, widths), op.format, widths, _drawn_seeds(calls, "wgrad", side, op),
+        t, op.format, widths, _drawn_seeds(calls, "wgrad", side, op), rows=rows,
         hadamard=None if rotation is None else rotation.signs, hadamard_seeds=h_seeds, rounding=op.rounding,
         **operand_knobs(op)) for t, side, op in ((dy, "a", spec.a), (x, "b", spec.b)))
     return a, b
@@ -310,24 +310,6 @@ def _wgrad_groupable(call: Call, dtype: torch.dtype) -> bool:
     return call.stats is None and all(
         op.quantized and not op.block2d and not op.dither
         and (rotation is None or fused and fuses_rotation(op, rotation)) for op in (spec.a, spec.b))
-
-
-def _pad_groups(t: torch.Tensor, rows: list[int] | torch.Tensor, widths: list[int] | torch.Tensor) -> torch.Tensor:
-    """t: [sum rows, C] -> [sum widths, C]: each group's rows followed by zero rows up to its width.
-    Device counts: S + 31 G rows rounded up to whole 32-row tiles, the most any split needs (rows
-    past the widths' sum stay zero, and no launch reads them as a group's)."""
-    if isinstance(rows, torch.Tensor):
-        pads, m = widths - rows, WGRAD_ROW_MULTIPLE
-        shift, counts, size = pads.cumsum(0) - pads, rows, -(-(t.shape[0] + (m - 1) * len(rows)) // m) * m
-    elif rows == widths:
-        return t.contiguous()
-    else:
-        shift = list(itertools.accumulate((w - n for w, n in zip(widths, rows)), initial=0))[:-1]  # padding before g
-        shift, counts = torch.tensor([shift, rows], dtype=torch.int64).to(t.device, non_blocking=True)
-        size = sum(widths)
-    # on the device, with the output size given: no host sync
-    dest = torch.arange(t.shape[0], device=t.device) + torch.repeat_interleave(shift, counts, output_size=t.shape[0])
-    return t.new_zeros(size, t.shape[1]).index_copy_(0, dest, t)
 
 
 def _listed(ops: list | GroupedValues) -> list:

@@ -83,6 +83,9 @@ def exercise() -> None:
     for fmt, knobs in ((Format.NVFP4, dict(hadamard="random", rounding="stochastic")), (Format.NVFP4, {}),
                        (Format.MXFP4, dict(hadamard="random"))):  # wgrad's operands, every expert at once
         _try(quantize.grouped_column_block_values, x, fmt, [32, 32], [1, 2], hadamard_seeds=[3, 4], **knobs)
+        # read from the routed rows in place, each group's padding as zeros (nn's wgrad)
+        _try(quantize.grouped_column_block_values, x[:40], fmt, [32, 32], [1, 2], hadamard_seeds=[3, 4],
+             rows=[25, 15], **knobs)
     nv = dict(block=(1, 16))
     for fmt, rows, columns in (  # a linear's two copies of one tensor from one read (x, or dy)
             (Format.NVFP4, nv, dict(hadamard="random", hadamard_seed=2, **nv)),

@@ -282,6 +282,59 @@ def test_device_widths_quantize_columns_as_the_listed_live_groups(fmt, widths, c
     assert (s_dec is None) == (want_s is None) and (s_dec is None or torch.equal(s_dec[live], want_s))
 
 
+@settings(max_examples=20, deadline=None)
+@given(fmt=st.sampled_from(["nvfp4", "mxfp4"]), rows=st.lists(st.integers(0, 70), min_size=1, max_size=4),
+       cols=st.integers(1, 40), seed=st.integers(0, 1000), sr=st.booleans(), on_device=st.booleans(),
+       hadamard=st.sampled_from([None, "random", "te"]))
+@example(fmt="nvfp4", rows=[0, 32, 1], cols=3, seed=1, sr=True, on_device=True, hadamard="random")
+def test_unpadded_groups_quantize_as_the_padded_copy(fmt, rows, cols, seed, sr, on_device, hadamard):
+    """wgrad's operands read from the routed rows as they are (``rows``), each group's padding
+    read as zeros: the bytes of quantizing the zero-padded copy nn made before, at every width,
+    with host counts and with device counts (whose layout runs to S + 31 G, rounded up to 32)."""
+    if fmt == "mxfp4" and hadamard == "te":
+        hadamard = "random"
+    if not on_device:  # host widths are positive
+        rows = [n or 1 for n in rows]
+    widths = [-(-n // 32) * 32 for n in rows]
+    x = hard_input((sum(rows), cols), seed, torch.bfloat16).to(DEVICE)
+    padded_len = -(-(sum(rows) + 31 * len(rows)) // 32) * 32 if on_device else sum(widths)
+    padded = torch.zeros(padded_len, cols, dtype=x.dtype, device=DEVICE)
+    for xg, start in zip(x.split(rows), [sum(widths[:g]) for g in range(len(rows))]):
+        padded[start:start + xg.shape[0]] = xg
+    seeds, h_seeds = [seed + g for g in range(len(rows))], [seed * 7 + g for g in range(len(rows))]
+    kw = dict(rounding="stochastic" if sr else "rtne", hadamard=hadamard, backend="triton")
+    if on_device:
+        args = dict(widths=torch.tensor(widths, device=DEVICE), seeds=_kernel_seeds(seeds),
+                    hadamard_seeds=_kernel_seeds(h_seeds))
+        counts = torch.tensor(rows, device=DEVICE)
+    else:
+        args, counts = dict(widths=widths, seeds=seeds, hadamard_seeds=h_seeds), rows
+    got = kernels.quantize_grouped_columns(x, fmt, rows=counts, **args, **kw)
+    want = kernels.quantize_grouped_columns(padded, fmt, **args, **kw)
+    assert got.values.shape == want.values.shape == (cols, padded_len)
+    assert torch.equal(got.values.view(torch.int16), want.values.view(torch.int16))
+    live = [g for g, n in enumerate(rows) if n]  # (an empty group's S_dec is never written, nor read)
+    assert (got.tensor_scales is None) == (want.tensor_scales is None)
+    assert got.tensor_scales is None or torch.equal(got.tensor_scales[live], want.tensor_scales[live])
+    if not on_device:  # the reference pads each group itself (the same values as the kernels, zeros' signs aside)
+        reference = kernels.quantize_grouped_columns(x.cpu(), fmt, rows=rows, **args, **{**kw, "backend": "reference"})
+        assert_same_values(kernels.BlockValues(got.values, None, cols, got.format),
+                           kernels.BlockValues(reference.values, None, cols, reference.format))
+        assert (reference.tensor_scales is None) == (got.tensor_scales is None)
+        assert got.tensor_scales is None or torch.equal(got.tensor_scales.cpu(), reference.tensor_scales)
+
+
+def test_unpadded_groups_that_do_not_fit_their_widths_are_refused():
+    from fp4lab.kernels.quantize import grouped_column_block_values
+    x, nv = torch.randn(40, 8, device=DEVICE), formats.Format.NVFP4
+    with pytest.raises(ValueError, match="each at most its width"):
+        grouped_column_block_values(x, nv, [32, 32], [1, 2], rows=[35, 5])
+    with pytest.raises(ValueError, match="each at most its width"):
+        grouped_column_block_values(x, nv, [32, 32], [1, 2], rows=[20, 10])  # 30 of x's 40 rows
+    with pytest.raises(ValueError, match="both device tensors or both host ints"):
+        grouped_column_block_values(x, nv, torch.tensor([32, 32], device=DEVICE), [1, 2], rows=[20, 20])
+
+
 def test_device_counts_are_refused_in_a_form_that_cannot_be_right():
     from fp4lab.kernels.quantize import grouped_block_values, grouped_column_block_values
     x, nv = torch.randn(32, 32, device=DEVICE), formats.Format.NVFP4
