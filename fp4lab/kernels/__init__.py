@@ -27,7 +27,7 @@ Speed: benchmarks/README.md; correctness: tests/kernels (bytes equal to fp4lab.f
 Public: ``Backend``, ``FAST_QUANTIZERS``, ``quantize_as``, ``quantize_nvfp4``, ``quantize_mxfp4``,
 ``dequantize``, ``fake_quantize``, ``fp4_mm``, ``uses_triton``, ``BlockValues``, ``quantize_values``,
 ``quantize_values_pair``, ``to_values``, ``values_mm``, ``GroupedValues``, ``quantize_grouped_values``,
-``quantize_grouped_columns``,
+``quantize_grouped_columns``, ``check_unpadded_rows``,
 ``grouped_values_mm``, ``contraction_grouped_values_mm``, ``grouped_fp4_mm``.
 """
 
@@ -242,9 +242,12 @@ def quantize_grouped_columns(x: torch.Tensor, fmt: str | Format, widths: list[in
     them, or a loop on the reference joined by one copy. Device tensors as in
     quantize_grouped_values (widths of 0 allowed on the Triton path). With ``rows`` x holds the
     groups unpadded (rows[g] <= widths[g] each, back to back), each read as if zero-padded to its
-    width: the same result with no padded copy of x made first
-    (quantize.grouped_column_block_values says the padded length under device counts)."""
+    width: the same result with no padded copy of x made first. The padded length is sum(widths);
+    under device counts the Triton path's runs on to S + 31 G rounded up to 32
+    (quantize.grouped_column_block_values), the reference's stays sum(widths)."""
     spec = formats.spec_of(fmt)
+    if rows is not None:
+        check_unpadded_rows(x.shape[0], rows, widths)
     h_seeds = [0] * len(widths) if hadamard_seeds is None else hadamard_seeds
     if uses_triton(x, backend):
         from .quantize import grouped_column_block_values
@@ -260,6 +263,21 @@ def quantize_grouped_columns(x: torch.Tensor, fmt: str | Format, widths: list[in
              for xg, seed, h in zip(groups, seeds, h_seeds)]
     return GroupedValues(torch.cat([p.matrix for p in parts], dim=1), _tensor_scales(parts), tuple(widths),
                          spec.format, axis=1)
+
+
+def check_unpadded_rows(x_rows: int, rows: list[int] | torch.Tensor, widths: list[int] | torch.Tensor) -> None:
+    """quantize_grouped_columns' ``rows``: host ints where ``widths`` are, a device tensor where
+    they are one; host rows one per width, each 0 <= rows[g] <= widths[g], x_rows of them in all."""
+    if isinstance(rows, torch.Tensor) != isinstance(widths, torch.Tensor):
+        raise ValueError("quantize_grouped_columns: rows and widths must both be device tensors or both host ints")
+    if isinstance(rows, torch.Tensor):
+        return  # (device counts are checked where the launch reads them, never on the host)
+    if len(rows) != len(widths):
+        raise ValueError(f"quantize_grouped_columns: {len(rows)} rows for {len(widths)} widths")
+    if any(not 0 <= n <= w for n, w in zip(rows, widths)):
+        raise ValueError(f"quantize_grouped_columns: rows {list(rows)} must each lie in [0, its width] of {list(widths)}")
+    if sum(rows) != x_rows:
+        raise ValueError(f"quantize_grouped_columns: rows sum to {sum(rows)}, x has {x_rows}")
 
 
 def grouped_values_mm(a: list[BlockValues] | GroupedValues, b: list[BlockValues] | GroupedValues, *,

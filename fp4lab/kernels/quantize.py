@@ -475,6 +475,8 @@ def _launch(x: torch.Tensor, axis: int, block: tuple[int, int], pad: bool, rule:
     count, group_mode ROW_GROUPS or COL_GROUPS). A seed given as a tensor (_kernel_seed) is read
     by the kernel from memory. ``src_groups`` (COL_GROUPS only): (each group's shift and row count
     on the device, the padded length): x holds the groups unpadded, read as the padded layout."""
+    if src_groups is not None and group_mode != COL_GROUPS.value:
+        raise ValueError("a quantize launch reads unpadded groups (src_groups) along columns only (COL_GROUPS)")
     axis, pads = check_input(x, axis, block, pad or src_groups is not None)
     src, rows, length, stride_r, stride_c = _strided_2d(x, axis)
     if src_groups is not None:  # the kernel reads x's groups where the padded layout puts them
@@ -820,8 +822,9 @@ def grouped_column_block_values(x: torch.Tensor, fmt: Format, widths: list[int] 
     if fmt is Format.NVFP4 and _nvfp4_block(block) != (1, 16):
         raise ValueError(f"grouped_column_block_values takes 1x16 NVFP4 blocks, got {block}")
     on_device = isinstance(widths, torch.Tensor)
-    if rows is not None and isinstance(rows, torch.Tensor) != on_device:
-        raise ValueError("grouped_column_block_values: rows and widths are both device tensors or both host ints")
+    if rows is not None:
+        from . import check_unpadded_rows
+        check_unpadded_rows(x.shape[0], rows, widths)
     if on_device:
         widths = device_counts(widths, len(seeds), x.device, "widths").to(torch.int64)
         if rows is not None:
@@ -829,10 +832,6 @@ def grouped_column_block_values(x: torch.Tensor, fmt: Format, widths: list[int] 
     padded = x.shape[0] if rows is None else (
         -(-(x.shape[0] + (COL_GROUP_WIDTH - 1) * len(widths)) // COL_GROUP_WIDTH) * COL_GROUP_WIDTH if on_device
         else sum(widths))
-    if rows is not None and not on_device and (len(rows) != len(widths) or sum(rows) != x.shape[0]
-                                               or any(not 0 <= n <= w for n, w in zip(rows, widths))):
-        raise ValueError(f"grouped_column_block_values: x {tuple(x.shape)} does not hold groups of {list(rows)} rows, "
-                         f"each at most its width in {list(widths)}")
     if (x.dim() != 2 or x.shape[1] == 0 or len(widths) != len(seeds) or not on_device and (
             sum(widths) != padded or any(w <= 0 or w % COL_GROUP_WIDTH for w in widths)) or (signs is not None and (
                 x.dtype not in (torch.float32, torch.bfloat16) or (signs is HadamardSigns.TE and size != 16)))):

@@ -287,15 +287,16 @@ def test_device_widths_quantize_columns_as_the_listed_live_groups(fmt, widths, c
        cols=st.integers(1, 40), seed=st.integers(0, 1000), sr=st.booleans(), on_device=st.booleans(),
        hadamard=st.sampled_from([None, "random", "te"]))
 @example(fmt="nvfp4", rows=[0, 32, 1], cols=3, seed=1, sr=True, on_device=True, hadamard="random")
+@example(fmt="nvfp4", rows=[5, 0, 40, 3], cols=17, seed=2, sr=True, on_device=True, hadamard="random")  # later shifts
+@example(fmt="nvfp4", rows=[1, 33, 0, 2], cols=5, seed=3, sr=False, on_device=False, hadamard="te")
 def test_unpadded_groups_quantize_as_the_padded_copy(fmt, rows, cols, seed, sr, on_device, hadamard):
     """wgrad's operands read from the routed rows as they are (``rows``), each group's padding
     read as zeros: the bytes of quantizing the zero-padded copy nn made before, at every width,
     with host counts and with device counts (whose layout runs to S + 31 G, rounded up to 32)."""
     if fmt == "mxfp4" and hadamard == "te":
         hadamard = "random"
-    if not on_device:  # host widths are positive
-        rows = [n or 1 for n in rows]
-    widths = [-(-n // 32) * 32 for n in rows]
+    # host widths are positive (a group may still have no rows); device widths may be 0
+    widths = [max(0 if on_device else 32, -(-n // 32) * 32) for n in rows]
     x = hard_input((sum(rows), cols), seed, torch.bfloat16).to(DEVICE)
     padded_len = -(-(sum(rows) + 31 * len(rows)) // 32) * 32 if on_device else sum(widths)
     padded = torch.zeros(padded_len, cols, dtype=x.dtype, device=DEVICE)
@@ -324,15 +325,25 @@ def test_unpadded_groups_quantize_as_the_padded_copy(fmt, rows, cols, seed, sr, 
         assert got.tensor_scales is None or torch.equal(got.tensor_scales.cpu(), reference.tensor_scales)
 
 
-def test_unpadded_groups_that_do_not_fit_their_widths_are_refused():
-    from fp4lab.kernels.quantize import grouped_column_block_values
-    x, nv = torch.randn(40, 8, device=DEVICE), formats.Format.NVFP4
-    with pytest.raises(ValueError, match="each at most its width"):
-        grouped_column_block_values(x, nv, [32, 32], [1, 2], rows=[35, 5])
-    with pytest.raises(ValueError, match="each at most its width"):
-        grouped_column_block_values(x, nv, [32, 32], [1, 2], rows=[20, 10])  # 30 of x's 40 rows
-    with pytest.raises(ValueError, match="both device tensors or both host ints"):
-        grouped_column_block_values(x, nv, torch.tensor([32, 32], device=DEVICE), [1, 2], rows=[20, 20])
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_unpadded_groups_that_do_not_fit_their_widths_are_refused(backend):
+    """On both backends (the reference would pad by a negative amount, or zip groups away)."""
+    x = torch.randn(40, 8, device=DEVICE if backend == "triton" else "cpu")
+
+    def call(widths, rows):
+        return kernels.quantize_grouped_columns(x, "nvfp4", widths, [1] * len(widths), rows=rows, backend=backend)
+    with pytest.raises(ValueError, match="must each lie in"):
+        call([32, 32], [35, 5])
+    with pytest.raises(ValueError, match="must each lie in"):
+        call([32, 32], [45, -5])
+    with pytest.raises(ValueError, match="rows sum to 30, x has 40"):
+        call([32, 32], [20, 10])
+    with pytest.raises(ValueError, match="2 rows for 1 widths"):
+        call([32], [20, 20])
+    with pytest.raises(ValueError, match="must both be device tensors or both host ints"):
+        call(torch.tensor([32, 32], device=x.device), [20, 20])
+    with pytest.raises(ValueError, match="must both be device tensors or both host ints"):
+        call([32, 32], torch.tensor([20, 20], device=x.device))
 
 
 def test_device_counts_are_refused_in_a_form_that_cannot_be_right():
