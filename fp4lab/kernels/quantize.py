@@ -290,11 +290,11 @@ def _fp4_quantize_kernel(x_ptr, codes_ptr, scales_ptr, amax_ptr, s_dec_ptr, seed
     rows = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
     # what Philox counts: group index = local row * lp_of / 16 + column / 16 - col_base
     col_base = tl.program_id(1) * (BC // 16)
+    src_shift, data_end = 0, L  # x read as the layout runs (unpadded column groups below shift it)
     if GROUPED == ROW_GROUPS:  # each row's group: its own amax, S_dec and seed
         group = group_of(rows, start_ptr, n_groups)
         local = rows - tl.load(start_ptr + group)  # the row within its group
         amax_at, seed_of, h_seed, lp_of = amax_ptr + group, tl.load(seeds_ptr + group)[:, None], hadamard_seed, LP
-        src_shift, data_end = 0, L
     elif GROUPED == COL_GROUPS:  # the program's columns lie in one group (start_ptr holds G + 1 edges)
         col0 = tl.program_id(1) * BC
         group = group_of(col0, start_ptr, n_groups)
@@ -304,11 +304,8 @@ def _fp4_quantize_kernel(x_ptr, codes_ptr, scales_ptr, amax_ptr, s_dec_ptr, seed
         col_base = (col0 - start) // 16
         if SRC_GROUPS:  # x unpadded: group g's rows sit src_ptr[g] earlier there, src_ptr[G + g] of them
             src_shift, data_end = tl.load(src_ptr + group), start + tl.load(src_ptr + n_groups + group)
-        else:
-            src_shift, data_end = 0, L
     else:
         local, amax_at, seed_of, h_seed, lp_of, group = rows, amax_ptr, seed, hadamard_seed, LP, 0
-        src_shift, data_end = 0, L
         if SEED_IN_MEMORY:  # a device seed (seeds_ptr[0]): a captured graph reads each replay's own
             seed_of = tl.load(seeds_ptr)
         if H_SEED_IN_MEMORY:
