@@ -9,8 +9,9 @@ graphed step), at the projection's two widths (gate/up read x [S, dim], down rea
 
 - ``x rows``: fprop's copy of x, 1x16 blocks along the width, round to nearest (grouped amax + values);
 - ``dy rows SR``: dgrad's copy of dy, stochastic rounding;
-- ``x columns RHT``: wgrad's copy of x along the tokens (padded per expert to 32), random-sign
-  Hadamard (a rotated amax pass + the values pass);
+- ``x columns RHT``: wgrad's copy of x along the tokens, read in place from the routed rows and
+  laid out padded per expert to 32 (``rows=``, as nn runs it), random-sign Hadamard (a rotated
+  amax pass + the values pass);
 - ``dy columns RHT+SR``: wgrad's copy of dy, rotated and stochastically rounded;
 - and, for scale, a dense linear's pair (both copies of [tokens, dim] from one read).
 
@@ -49,18 +50,18 @@ def cases(counts: torch.Tensor, dim: int, hidden: int, tokens: int, dev: str = "
     sizes = counts.to(dev)
     widths = ((counts + 31) // 32 * 32).to(dev)  # wgrad's token axis, padded per expert
     seeds = torch.arange(1, counts.numel() + 1, dtype=torch.int64, device=dev)
-    rows, padded = int(counts.sum()), int(widths.sum())
+    padded = int(widths.sum())
     out = {}
     for width, label in ((dim, f"[S, {dim}]"), (hidden, f"[S, {hidden}]")):
-        x = torch.randn(rows, width, device=dev, dtype=torch.bfloat16)
-        xp = torch.randn(padded, width, device=dev, dtype=torch.bfloat16)
+        x = torch.randn(int(counts.sum()), width, device=dev, dtype=torch.bfloat16)
+        columns = 2 * x.numel() + 2 * padded * width  # the routed rows read, the padded layout written
         out[f"x rows {label}"] = (lambda x=x: kernels.quantize_grouped_values(x, "nvfp4", sizes, seeds), 4 * x.numel())
         out[f"dy rows SR {label}"] = (lambda x=x: kernels.quantize_grouped_values(
             x, "nvfp4", sizes, seeds, rounding="stochastic"), 4 * x.numel())
-        out[f"x columns RHT {label}"] = (lambda x=xp: kernels.quantize_grouped_columns(
-            x, "nvfp4", widths, seeds, hadamard_seeds=seeds, **_RHT), 4 * xp.numel())
-        out[f"dy columns RHT+SR {label}"] = (lambda x=xp: kernels.quantize_grouped_columns(
-            x, "nvfp4", widths, seeds, hadamard_seeds=seeds, rounding="stochastic", **_RHT), 4 * xp.numel())
+        out[f"x columns RHT {label}"] = (lambda x=x: kernels.quantize_grouped_columns(
+            x, "nvfp4", widths, seeds, hadamard_seeds=seeds, rows=sizes, **_RHT), columns)
+        out[f"dy columns RHT+SR {label}"] = (lambda x=x: kernels.quantize_grouped_columns(
+            x, "nvfp4", widths, seeds, hadamard_seeds=seeds, rows=sizes, rounding="stochastic", **_RHT), columns)
     dense = torch.randn(tokens, dim, device=dev, dtype=torch.bfloat16)
     out[f"dense pair [{tokens}, {dim}]"] = (lambda: kernels.quantize_values_pair(
         dense, "nvfp4", rows={}, columns={"rounding": "stochastic", "hadamard_seed": 7, **_RHT},
