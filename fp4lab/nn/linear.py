@@ -24,7 +24,7 @@ from torch import nn
 
 from ..formats import FP4Tensor
 from .gemms import QuantContext, compute_dtype, fp4_gemms, layer_key, make_call
-from .ops import fp4_gemms_op, register_recipe
+from .ops import RecipeSlot, as_recipe, fp4_gemms_op
 from .recipe import Recipe
 
 __all__ = ["QuantContext", "FP4Linear", "fp4_linear", "grouped_fp4_linear", "fprop_weight", "layer_key", "layer_keys",
@@ -40,11 +40,12 @@ def fprop_weight(weight: torch.Tensor, recipe: Recipe, *, name: str,
     return call.operand(call.weight_source(weight), 1, "fprop", "b", codes=True)
 
 
-def fp4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: Recipe, *,
+def fp4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: Recipe | int, *,
                name: str = "linear", context: QuantContext | None = None,
                keys: torch.Tensor | None = None) -> torch.Tensor:
-    """x: [..., K], weight: [N, K], bias: [N] | None -> [..., N], the three GEMMs per ``recipe``.
-    ``keys``: layer_keys(name) made once (a module's), so a compiled graph reads no name (below)."""
+    """x: [..., K], weight: [N, K], bias: [N] | None -> [..., N], the three GEMMs per ``recipe``
+    (or its nn.ops.register_recipe index: a module's ``recipe_id``). ``keys``: layer_keys(name)
+    made once (a module's), so a compiled graph reads no name (below)."""
     if x.shape[-1] != weight.shape[-1]:
         raise ValueError(f"x of shape {tuple(x.shape)} does not match weight {tuple(weight.shape)}")
     context = context or QuantContext()
@@ -56,7 +57,7 @@ def fp4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             layers = keys if keys is not None else [layer_key(name)]
             y = fp4_gemms_op(x2d, w, b, [x2d.shape[0]], layers, recipe, context, grouped=False)
         else:
-            y = fp4_gemms(x2d, w, b, [x2d.shape[0]], [make_call(recipe, name, context)], grouped=False)
+            y = fp4_gemms(x2d, w, b, [x2d.shape[0]], [make_call(as_recipe(recipe), name, context)], grouped=False)
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
@@ -73,7 +74,7 @@ def layer_keys(names: list[str]) -> torch.Tensor:
     return torch.tensor([layer_key(n) for n in names], dtype=torch.int64)
 
 
-def grouped_fp4_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int] | torch.Tensor, recipe: Recipe, *,
+def grouped_fp4_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int] | torch.Tensor, recipe: Recipe | int, *,
                        name: str, context: QuantContext, label: str = "",
                        keys: torch.Tensor | None = None) -> torch.Tensor:
     """x: [S, K] rows sorted by expert (counts[e] each), weight: [E, N, K] -> [S, N]: expert e's
@@ -91,8 +92,8 @@ def grouped_fp4_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int] 
             layers = keys if keys is not None else [layer_key(n) for n in expert_names(name, weight.shape[0], label)]
             return fp4_gemms_op(x.to(dtype), weight.to(dtype), None, counts, layers, recipe, context, grouped=True)
         names = expert_names(name, weight.shape[0], label)
-        return fp4_gemms(x.to(dtype), weight.to(dtype), None, counts, [make_call(recipe, n, context) for n in names],
-                         grouped=True)
+        calls = [make_call(as_recipe(recipe), n, context) for n in names]
+        return fp4_gemms(x.to(dtype), weight.to(dtype), None, counts, calls, grouped=True)
 
 
 def traced_path(context: QuantContext) -> bool:
@@ -101,7 +102,7 @@ def traced_path(context: QuantContext) -> bool:
     return torch.compiler.is_compiling() and not context.collect and not context.forward_bf16
 
 
-class FP4Linear(nn.Linear):
+class FP4Linear(RecipeSlot, nn.Linear):
     """nn.Linear whose three GEMMs follow a recipe; same parameters and state-dict keys."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, recipe: Recipe,
@@ -109,7 +110,6 @@ class FP4Linear(nn.Linear):
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self.recipe, self.name, self.keys = recipe, name, layer_keys([name])
         self.context = context or QuantContext()
-        register_recipe(recipe)  # outside any trace (nn.ops.recipe_index)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, recipe: Recipe, *, name: str,
@@ -120,13 +120,12 @@ class FP4Linear(nn.Linear):
         layer.in_features, layer.out_features = linear.in_features, linear.out_features
         layer.weight, layer.bias = linear.weight, linear.bias
         layer.recipe, layer.name, layer.context, layer.keys = recipe, name, context, layer_keys([name])
-        register_recipe(recipe)
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # traced, the op takes self.keys and the name is never read (a read name is a guard)
         name = "" if traced_path(self.context) else self.name
-        return fp4_linear(x, self.weight, self.bias, self.recipe, name=name, context=self.context, keys=self.keys)
+        return fp4_linear(x, self.weight, self.bias, self.recipe_id, name=name, context=self.context, keys=self.keys)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe.name}"

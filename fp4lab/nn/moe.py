@@ -43,7 +43,7 @@ from torch import nn
 from ..formats.types import Choice
 from .gemms import counts_stay_on_device
 from .linear import QuantContext, compute_dtype, expert_names, grouped_fp4_linear, layer_keys, traced_path
-from .ops import recipe_index, register_recipe, registered_recipe
+from .ops import RecipeSlot, registered_recipe
 from .recipe import Recipe
 
 
@@ -78,7 +78,7 @@ class MoEConfig:
             raise ValueError(f"expert_hidden must be a positive multiple of 32, got {self.expert_hidden}")
 
 
-class GroupedExperts(nn.Module):
+class GroupedExperts(RecipeSlot, nn.Module):
     """E SwiGLU experts: w_gate_EFD, w_up_EFD, w_down_EDF; x sorted by expert, counts per expert."""
 
     def __init__(self, n_experts: int, dim: int, hidden: int):
@@ -96,7 +96,6 @@ class GroupedExperts(nn.Module):
         self.recipe, self.name, self.context = recipe, name, context
         n_experts = self.w_gate.shape[0]
         self.keys = {label: layer_keys(expert_names(name, n_experts, label)) for label in ("gate", "up", "down")}
-        register_recipe(recipe)  # outside any trace (nn.ops.recipe_index)
 
     grouped_mm = True
     """Use torch._grouped_mm where it runs (False: the per-expert loop, e.g. to compare)."""
@@ -124,7 +123,7 @@ class GroupedExperts(nn.Module):
         # guard of its own; the decision is meant for the whole run anyway)
         environment = (device_counts_allowed(), os.environ.get("FP4LAB_BACKEND", "auto"),
                        os.environ.get("TRITON_INTERPRET", ""))
-        return _steps_keep_counts_traced(recipe_index(self.recipe), device, *self.w_down.shape[1:], dtype,
+        return _steps_keep_counts_traced(self.recipe_id, device, *self.w_down.shape[1:], dtype,
                                          *environment)
 
     def counts_on_device(self) -> bool:
@@ -150,7 +149,7 @@ class GroupedExperts(nn.Module):
 
             def project(x: torch.Tensor, w: torch.Tensor, label: str) -> torch.Tensor:
                 # expert e is the layer f"{self.name}.{e}.{label}" (its seeds and tensor scales)
-                return grouped_fp4_linear(x, w, counts, self.recipe, name=name, context=self.context,
+                return grouped_fp4_linear(x, w, counts, self.recipe_id, name=name, context=self.context,
                                           label=label, keys=self.keys[label])
             h_SF = F.silu(project(x_sorted_SD, self.w_gate, "gate")) * project(x_sorted_SD, self.w_up, "up")
             return project(h_SF, self.w_down, "down")

@@ -29,7 +29,14 @@ where each expert's weight quantized alone cost two launches an expert), and a d
 is dithered again in backward (the same seed). Operand statistics (a Python
 side effect) are not collected here: layers with ``context.collect`` take the eager path.
 
-Public: ``register_recipe``, ``recipe_index``, ``registered_recipe``, ``fp4_gemms_op``.
+A module hands the op its recipe's index as an int attribute of its own (``RecipeSlot``), set
+when the recipe is assigned: a compiled graph then guards that int, where a lookup of the recipe
+object in the registry would guard the registry's length, and every frame would recompile
+whenever another run in the process registered a recipe (the eighth hits dynamo's recompile
+limit, and the frame falls back to eager).
+
+Public: ``register_recipe``, ``recipe_index``, ``registered_recipe``, ``as_recipe``, ``RecipeSlot``,
+``fp4_gemms_op``.
 """
 
 from __future__ import annotations
@@ -45,9 +52,8 @@ _SEEN: list[tuple[Recipe, int]] = []  # every recipe object registered, with its
 
 
 def register_recipe(recipe: Recipe) -> int:
-    """-> the index of ``recipe`` in this process's registry (added on first sight). The layers
-    register their recipe when they get it, outside any trace: recipe_index then finds it by
-    identity, which dynamo folds to a constant on every torch version."""
+    """-> the index of ``recipe`` in this process's registry (added on first sight). Modules
+    register their recipe when they get it (RecipeSlot), outside any trace."""
     for known, i in _SEEN:
         if known is recipe:
             return i
@@ -67,7 +73,8 @@ _register_traced = torch.compiler.assume_constant_result(register_recipe)
 
 
 def recipe_index(recipe: Recipe) -> int:
-    """register_recipe as a compiled graph can call it: an identity scan dynamo traces."""
+    """register_recipe as a compiled graph can call it: an identity scan dynamo traces (and guards
+    on the registry's length: modules pass their RecipeSlot index instead)."""
     for known, i in _SEEN:
         if known is recipe:
             return i
@@ -77,6 +84,33 @@ def recipe_index(recipe: Recipe) -> int:
 def registered_recipe(index: int) -> Recipe:
     """The recipe register_recipe gave ``index``."""
     return _RECIPES[index]
+
+
+def as_recipe(recipe: Recipe | int) -> Recipe:
+    """A recipe, or the index register_recipe gave one, as the recipe."""
+    return registered_recipe(recipe) if isinstance(recipe, int) else recipe
+
+
+class RecipeSlot:
+    """Mixin for modules whose GEMMs follow a recipe: assigning ``recipe`` (None: none) registers
+    it, outside any trace, and keeps its index as ``recipe_id``, the int the module hands the
+    compiled op (a guard on the module's own attribute: equal recipes share an index, so a second
+    run in the process finds its graphs compiled)."""
+
+    @property
+    def recipe(self) -> Recipe | None:
+        return self._recipe
+
+    @recipe.setter
+    def recipe(self, recipe: Recipe | None) -> None:
+        self._recipe = recipe
+        self.recipe_id = None if recipe is None else register_recipe(recipe)
+
+    def __setstate__(self, state: dict) -> None:
+        # unpickled in another process, whose registry numbers recipes its own way
+        super().__setstate__(state)
+        if "_recipe" in state:
+            self.recipe = state["_recipe"]
 
 
 def _calls(layers: torch.Tensor, recipe: int, clock: torch.Tensor, rank: int, seeds: int):
@@ -144,14 +178,15 @@ _gemms.register_autograd(_backward, setup_context=_setup_context)
 
 
 def fp4_gemms_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int] | torch.Tensor,
-                 layers: torch.Tensor | list[int], recipe: Recipe, context: QuantContext, *,
+                 layers: torch.Tensor | list[int], recipe: Recipe | int, context: QuantContext, *,
                  grouped: bool) -> torch.Tensor:
     """gemms.fp4_gemms through the custom ops: the layers given by key (a CPU int64 tensor, or
     ints folded into one), at the context's clock; ``sizes`` as host ints or, for a grouped call,
-    a device tensor of counts (passed on as ``counts``)."""
+    a device tensor of counts (passed on as ``counts``); ``recipe`` or its registered index (a
+    module's ``recipe_id``: no scan of the registry, see RecipeSlot)."""
     if not isinstance(layers, torch.Tensor):
         layers = torch.tensor(list(layers), dtype=torch.int64)
     seeds = -1 if context.seeds is None else context.seeds.index
     counts, sizes = (sizes, []) if isinstance(sizes, torch.Tensor) else (None, list(sizes))
-    return _gemms(x, weight, bias, sizes, counts, layers, recipe_index(recipe), context.clock, context.rank, seeds,
-                  grouped)
+    index = recipe if isinstance(recipe, int) else recipe_index(recipe)
+    return _gemms(x, weight, bias, sizes, counts, layers, index, context.clock, context.rank, seeds, grouped)

@@ -175,3 +175,37 @@ def test_a_compiled_model_reads_its_seeds_from_a_table_with_the_eager_bits(dithe
         assert torch.equal(got[0], want[0]) and all(torch.equal(got[1][n], want[1][n]) for n in want[1])
     assert table.specs  # the ops drew from the table
     assert bool(dither) == any(spec[4] == ord("d") for spec in table.specs)
+
+
+@pytest.mark.parametrize("model_name", ["tiny", "moe-tiny"])
+def test_a_second_model_in_the_process_finds_its_graphs_compiled(model_name):
+    """A layer hands the op its recipe's index (RecipeSlot), not the recipe to look up in the
+    process's registry: a lookup guarded the registry's length, so a second run in one process
+    (another recipe registered meanwhile) recompiled every frame, and an MoE block's frame hit
+    dynamo's limit of 8 and ran eager from then on."""
+    torch._dynamo.reset()
+
+    def step(recipe):
+        torch.manual_seed(0)
+        model = GPT(model_config(model_name, vocab_size=128, seq_len=64))
+        quantize_model(model, recipe)
+        return _loss_and_grads(model, torch.compile(model, backend="aot_eager"), 0)
+
+    first = step(preset("nvfp4"))
+    quantize_model(GPT(model_config("tiny", vocab_size=128, seq_len=64)), preset("mxfp4"))  # a new recipe
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        second = step(preset("nvfp4"))  # an equal recipe, a new object
+    assert torch.equal(first[0], second[0])
+    assert all(torch.equal(first[1][n], second[1][n]) for n in first[1])
+
+
+def test_an_unpickled_layer_registers_its_recipe_in_the_new_process(monkeypatch):
+    import pickle
+    from fp4lab.nn import ops
+    from fp4lab.nn.linear import FP4Linear
+    layer = FP4Linear(32, 16, recipe=preset("mxfp4"))
+    data = pickle.dumps(layer)
+    monkeypatch.setattr(ops, "_RECIPES", [preset("nvfp4")])  # another process's registry
+    monkeypatch.setattr(ops, "_SEEN", [])
+    copy = pickle.loads(data)
+    assert ops.registered_recipe(copy.recipe_id) == copy.recipe == layer.recipe and copy.recipe_id == 1
