@@ -165,6 +165,10 @@ def setup(cfg: TrainConfig) -> Run:
         if why:
             raise ValueError(f"training setting cuda_graph=true: {why}")
     if cfg.compile:
+        # a run compiles its own graphs: frames an earlier run of the process compiled (under other
+        # seeds, autocast's cast cache, evaluation) would count toward dynamo's recompile limit,
+        # past which a frame runs eager, a graphed step's capture included
+        torch.compiler.reset()
         runner = torch.compile(runner)
     # what a checkpoint must match to be resumed; steps stays in: another budget is another schedule.
     # parallel is out (TrainConfig.identity): DDP and FSDP checkpoints are the same files (train.parallel)

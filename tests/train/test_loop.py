@@ -337,3 +337,17 @@ def test_checkpoint_files_get_the_permissions_of_plain_files(token_file, tmp_pat
         os.umask(umask)
     modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "run" / "checkpoint").iterdir()}
     assert modes["model.safetensors"] == 0o644 and set(modes.values()) == {0o644}
+
+
+def test_a_compiled_run_compiles_its_own_graphs(token_file, tmp_path, monkeypatch):
+    """Each compiled run starts from an empty dynamo cache: an earlier run's frames (other seeds,
+    autocast's cast cache, its evaluations) would count toward dynamo's recompile limit, past
+    which a frame runs eager (a graphed step's capture included) and a second run in the process
+    would not train as a first one."""
+    import torch
+    resets, reset = [], torch.compiler.reset
+    monkeypatch.setattr(torch.compiler, "reset", lambda: (resets.append(len(resets)), reset()))
+    train(_cfg(token_file, tmp_path / "eager", steps=2, eval_every=2))
+    assert not resets
+    result = train(_cfg(token_file, tmp_path / "compiled", steps=2, eval_every=2, compile=True))
+    assert result.status == "ok" and resets == [0]
