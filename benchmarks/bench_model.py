@@ -106,7 +106,9 @@ def step_arguments(parser: argparse.ArgumentParser, *, warmup: int, steps: int) 
 def time_mode(mode: str, args, tokens: int) -> dict[str, dict]:
     """Every arm's step in ``mode``, built and warmed once (compiling, capturing included), then
     timed in alternating rounds so that a slow spell of the host hits them all; the steps (and
-    their graphs' pools) are released before the next mode is built."""
+    their graphs' pools) are released before the next mode is built, and dynamo's cache emptied
+    (a mode's frames would count toward the next one's recompile limit)."""
+    torch.compiler.reset()
     steps, peak_mib = {}, {}
     for arm in args.arms:
         torch.cuda.synchronize()
