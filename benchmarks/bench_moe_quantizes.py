@@ -1,6 +1,6 @@
 """The quantize launches of one FP4 MoE projection at moe64's step shapes, each timed alone.
 
-    python benchmarks/bench_moe_quantizes.py [--tokens 8192 --dim 512 --hidden 256 --experts 64 --top 6]
+    python benchmarks/bench_moe_quantizes.py [--tokens 8192 --dim 512 --hidden 256 --experts 64 --top 6] [--tiles]
 
 The graphed moe64 step spends about 14 ms of its GPU time in quantize passes against about 3 ms
 of bytes (benchmarks/NOTES.md, 2026-11-26): this splits that time by the copy NVIDIA's recipe
@@ -18,6 +18,11 @@ graphed step), at the projection's two widths (gate/up read x [S, dim], down rea
 Each is replayed from a CUDA graph (device time), as a fraction of the device's copy bandwidth.
 Bytes counted: one read (2 per element) and the block values written (2 per element per copy),
 so a copy that reads its input twice (an amax pass first) shows the second read in the ratio. Writes benchmarks/results/moe_quantizes.json.
+
+``--tiles`` times each case again at every tile of benchmarks/sweep_quantize.py's lists for its
+path (the rows copies: kernels.quantize.TILES["rows"]; the columns copies: TILES["transposed"],
+whose column width a grouped launch fixes at 32; the pair: PAIR_TILE): the tiles were chosen at
+8192 x 4096, and these copies are 256 or 512 wide. Writes moe_quantizes_tiles.json.
 """
 
 from __future__ import annotations
@@ -30,7 +35,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import copy_bandwidth_gbs, environment, graph_ms, save  # noqa: E402
+from benchmarks.sweep_quantize import PAIR, ROWS, TRANSPOSED  # noqa: E402
 from fp4lab import kernels  # noqa: E402
+from fp4lab.kernels import quantize  # noqa: E402
 
 _RHT = {"hadamard": "random"}
 
@@ -64,9 +71,52 @@ def cases(counts: torch.Tensor, dim: int, hidden: int, tokens: int, dev: str = "
             x, "nvfp4", widths, seeds, hadamard_seeds=seeds, rows=sizes, rounding="stochastic", **_RHT), columns)
     dense = torch.randn(tokens, dim, device=dev, dtype=torch.bfloat16)
     out[f"dense pair [{tokens}, {dim}]"] = (lambda: kernels.quantize_values_pair(
-        dense, "nvfp4", rows={}, columns={"rounding": "stochastic", "hadamard_seed": 7, **_RHT},
+        dense, "nvfp4", rows={}, columns={"rounding": "stochastic", "seed": 5, "hadamard_seed": 7, **_RHT},
         columns_len=tokens), 6 * dense.numel())  # one read, two copies written
     return out
+
+
+def tile_choices(name: str) -> tuple[str, list[tuple[int, int, int]]]:
+    """The tile setting a case's launches read (a TILES key, or "pair") and the tiles to try."""
+    if name.startswith("dense pair"):
+        return "pair", PAIR
+    if " columns " in name:  # a grouped columns launch fixes the tile's width at 32
+        return "transposed", [t for t in TRANSPOSED if t[1] == quantize.COL_GROUP_WIDTH]
+    return "rows", ROWS
+
+
+def with_tile(path: str, tile: tuple[int, int, int], fn):
+    """fn() with the quantize kernel's tile for ``path`` set to ``tile`` (restored after)."""
+    saved = quantize.PAIR_TILE if path == "pair" else quantize.TILES[path]
+    if path == "pair":
+        quantize.PAIR_TILE = tile
+    else:
+        quantize.TILES[path] = tile
+    try:
+        return fn()
+    finally:
+        if path == "pair":
+            quantize.PAIR_TILE = saved
+        else:
+            quantize.TILES[path] = saved
+
+
+def sweep_tiles(all_cases: dict, copy: float) -> dict:
+    """Each case at every tile of its path: name -> tile -> ms and fraction of copy."""
+    results = {}
+    for name, (fn, nbytes) in all_cases.items():
+        path, tiles = tile_choices(name)
+        results[name] = {}
+        for tile in tiles:
+            key = f"{tile[0]}x{tile[1]}_w{tile[2]}"
+            try:
+                ms = with_tile(path, tile, lambda: (fn(), graph_ms(fn))[1])
+            except Exception as exc:  # e.g. too many registers for this tile
+                print(f"{name:34s} {key:12s} {type(exc).__name__}")
+                continue
+            results[name][key] = {"ms": ms, "of_copy": nbytes / ms / 1e6 / copy}
+            print(f"{name:34s} {key:12s} {ms * 1e3:8.1f} us  {results[name][key]['of_copy']:5.2f} of copy", flush=True)
+    return results
 
 
 def main() -> None:
@@ -76,6 +126,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--experts", type=int, default=64)
     parser.add_argument("--top", type=int, default=6)
+    parser.add_argument("--tiles", action="store_true", help="time every case at each tile of its path")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_moe_quantizes.py times CUDA kernels: run it on a GPU")
@@ -91,6 +142,9 @@ def main() -> None:
         results[name] = {"ms": ms, "gb_per_s": gbs, "of_copy": gbs / copy}
         print(f"{name:34s} {ms * 1e3:8.1f} us  {gbs:7.0f} GB/s  {gbs / copy:5.2f} of copy")
     save("moe_quantizes", {**environment(), "copy_gb_per_s": copy, "args": vars(args), "cases": results})
+    if args.tiles:
+        tiles = sweep_tiles(cases(counts, args.dim, args.hidden, args.tokens), copy)
+        save("moe_quantizes_tiles", {**environment(), "copy_gb_per_s": copy, "args": vars(args), "cases": tiles})
 
 
 if __name__ == "__main__":

@@ -596,3 +596,30 @@ def test_the_moe_quantize_benchmark_times_the_calls_a_graphed_moe_step_makes(mon
         assert nbytes > 0, name
         if isinstance(got, kernels.GroupedValues):  # device sizes kept as they are: never read
             assert isinstance(got.sizes, torch.Tensor), name
+
+
+def test_the_moe_quantize_benchmark_tries_tiles_that_give_the_same_bytes(monkeypatch):
+    """bench_moe_quantizes.py --tiles: every case's tiles are ones its launches accept (a grouped
+    columns launch fixes the width at 32), each gives the default tile's bytes (a tile is a
+    schedule, never a result), and the setting is restored after each."""
+    import importlib
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    bench = importlib.import_module("benchmarks.bench_moe_quantizes")
+    from fp4lab.kernels import quantize
+    monkeypatch.setenv("FP4LAB_BACKEND", "triton")
+    before = (dict(quantize.TILES), quantize.PAIR_TILE)
+    timed = bench.cases(bench.routed_counts(48, 4, 2), 32, 32, 32, dev=DEVICE)
+
+    def flat(got):  # BlockValues, GroupedValues, or a pair of BlockValues
+        parts = got if isinstance(got, tuple) else (got,)
+        return [t for p in parts for t in (p.values, getattr(p, "tensor_scale", getattr(p, "tensor_scales", None)))]
+    for name, (fn, _) in timed.items():
+        path, tiles = bench.tile_choices(name)
+        assert tiles and (path != "transposed" or all(t[1] == quantize.COL_GROUP_WIDTH for t in tiles)), name
+        want = flat(fn())
+        for tile in tiles[:3]:
+            got = flat(bench.with_tile(path, tile, fn))
+            assert all(torch.equal(a, b) for a, b in zip(got, want)), (name, tile)
+        assert (dict(quantize.TILES), quantize.PAIR_TILE) == before
