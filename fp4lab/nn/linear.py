@@ -123,9 +123,11 @@ class FP4Linear(RecipeSlot, nn.Linear):
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # traced, the op takes self.keys and the name is never read (a read name is a guard)
-        name = "" if traced_path(self.context) else self.name
-        return fp4_linear(x, self.weight, self.bias, self.recipe_id, name=name, context=self.context, keys=self.keys)
+        # traced, the op takes self.keys and the recipe's index, and the name is never read (a
+        # read name is a guard); the eager path (statistics, a BF16-forward evaluation) the recipe
+        traced = traced_path(self.context)
+        name, recipe = ("", self.recipe_id) if traced else (self.name, self.recipe)
+        return fp4_linear(x, self.weight, self.bias, recipe, name=name, context=self.context, keys=self.keys)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe.name}"

@@ -144,12 +144,13 @@ class GroupedExperts(RecipeSlot, nn.Module):
                 return torch._grouped_mm(x.to(dtype), w_EOI.to(dtype).transpose(-2, -1), offs=offsets_E)
             return mm(F.silu(mm(x_sorted_SD, self.w_gate)) * mm(x_sorted_SD, self.w_up), self.w_down)
         if self.recipe is not None:
-            name = "" if traced_path(self.context) else self.name  # traced: keys, no name guard
+            traced = traced_path(self.context)  # traced: keys and the recipe's index, no name guard
+            name, recipe = ("", self.recipe_id) if traced else (self.name, self.recipe)
             counts = counts_E if self._fp4_counts_kept(x_sorted_SD.device, dtype) else counts_E.tolist()
 
             def project(x: torch.Tensor, w: torch.Tensor, label: str) -> torch.Tensor:
                 # expert e is the layer f"{self.name}.{e}.{label}" (its seeds and tensor scales)
-                return grouped_fp4_linear(x, w, counts, self.recipe_id, name=name, context=self.context,
+                return grouped_fp4_linear(x, w, counts, recipe, name=name, context=self.context,
                                           label=label, keys=self.keys[label])
             h_SF = F.silu(project(x_sorted_SD, self.w_gate, "gate")) * project(x_sorted_SD, self.w_up, "up")
             return project(h_SF, self.w_down, "down")

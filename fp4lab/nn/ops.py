@@ -107,10 +107,11 @@ class RecipeSlot:
         self.recipe_id = None if recipe is None else register_recipe(recipe)
 
     def __setstate__(self, state: dict) -> None:
-        # unpickled in another process, whose registry numbers recipes its own way
+        # unpickled in another process, whose registry numbers recipes its own way (a module
+        # pickled before the slot existed kept its recipe under "recipe")
         super().__setstate__(state)
-        if "_recipe" in state:
-            self.recipe = state["_recipe"]
+        if "_recipe" in state or "recipe" in state:
+            self.recipe = state["_recipe"] if "_recipe" in state else self.__dict__.pop("recipe")
 
 
 def _calls(layers: torch.Tensor, recipe: int, clock: torch.Tensor, rank: int, seeds: int):

@@ -209,3 +209,29 @@ def test_an_unpickled_layer_registers_its_recipe_in_the_new_process(monkeypatch)
     monkeypatch.setattr(ops, "_SEEN", [])
     copy = pickle.loads(data)
     assert ops.registered_recipe(copy.recipe_id) == copy.recipe == layer.recipe and copy.recipe_id == 1
+
+
+def test_a_layer_pickled_before_the_recipe_slot_loads_with_its_recipe():
+    from fp4lab.nn.linear import FP4Linear
+    layer = FP4Linear(32, 16, recipe=preset("mxfp4"))
+    old = {k: v for k, v in layer.__dict__.items() if k not in ("_recipe", "recipe_id")}
+    old["recipe"] = layer.recipe  # where a module kept its recipe before RecipeSlot
+    copy = FP4Linear.__new__(FP4Linear)
+    copy.__setstate__(old)
+    x = torch.randn(4, 32)
+    assert copy.recipe == layer.recipe and "recipe" not in copy.__dict__
+    assert torch.equal(copy(x), layer(x))
+
+
+def test_a_compiled_layer_on_the_eager_path_is_not_recompiled_by_a_new_recipe():
+    """Collecting operand statistics keeps a compiled layer on the eager path, which reads the
+    module's own recipe: registering another recipe recompiles nothing there either."""
+    from fp4lab.nn.linear import FP4Linear
+    torch._dynamo.reset()
+    layer = FP4Linear(32, 16, recipe=preset("nvfp4"), context=QuantContext(collect=True))
+    compiled = torch.compile(layer, backend="aot_eager")
+    x = torch.randn(4, 32)
+    compiled(x)
+    FP4Linear(32, 16, recipe=preset("nvfp4").override({"keep_first": 3}))  # a new recipe registered
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        compiled(x)
