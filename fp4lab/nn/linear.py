@@ -124,7 +124,8 @@ class FP4Linear(RecipeSlot, nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # traced, the op takes self.keys and the recipe's index, and the name is never read (a
-        # read name is a guard); the eager path (statistics, a BF16-forward evaluation) the recipe
+        # read name is a guard); the eager path (statistics, a BF16-forward evaluation) takes the
+        # recipe itself (its index would be a lookup in the registry, a guard on its length)
         traced = traced_path(self.context)
         name, recipe = ("", self.recipe_id) if traced else (self.name, self.recipe)
         return fp4_linear(x, self.weight, self.bias, recipe, name=name, context=self.context, keys=self.keys)
