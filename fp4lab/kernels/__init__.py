@@ -246,15 +246,15 @@ def quantize_grouped_columns(x: torch.Tensor, fmt: str | Format, widths: list[in
     under device counts the Triton path's runs on to S + 31 G rounded up to 32
     (quantize.grouped_column_block_values), the reference's stays sum(widths)."""
     spec = formats.spec_of(fmt)
-    if rows is not None:
-        check_unpadded_rows(x.shape[0], rows, widths)
     h_seeds = [0] * len(widths) if hadamard_seeds is None else hadamard_seeds
-    if uses_triton(x, backend):
+    if uses_triton(x, backend):  # (which checks ``rows`` itself: the launches read by them)
         from .quantize import grouped_column_block_values
         values, scales = grouped_column_block_values(x, spec.format, _as_given(widths), _as_given(seeds),
                                                      hadamard=hadamard, hadamard_seeds=_as_given(h_seeds),
                                                      rows=None if rows is None else _as_given(rows), **kwargs)
         return GroupedValues(values, scales, _kept(widths), spec.format, axis=1)
+    if rows is not None:
+        check_unpadded_rows(x.shape[0], rows, widths)
     rotation = {} if hadamard is None else {"hadamard": hadamard}
     widths, seeds, h_seeds = _listed(widths), _listed(seeds), _listed(h_seeds)
     groups = x.split(widths) if rows is None else [  # each group zero-padded to its width here
