@@ -3,6 +3,8 @@
 The capture tests need a CUDA device (the device machine runs them); on a CPU only the input
 checks run."""
 
+import functools
+
 import pytest
 import torch
 
@@ -124,21 +126,41 @@ def test_a_graphed_bf16_moe_run_is_the_eager_run_bit_for_bit(token_file, tmp_pat
 
 
 @cuda
-def test_a_compiled_and_graphed_fp4_moe_run_trains_as_the_compiled_eager_one(token_file, tmp_path):
+def test_a_compiled_and_graphed_fp4_moe_run_is_the_compiled_eager_run(token_file, tmp_path, monkeypatch):
     """Compiled, FP4 experts under NVIDIA's recipe hand the routing's counts to the custom ops as a
     device tensor in a graphed step, so the run is captured (no refusal; a second capture after the
-    late switch) and trains as the compiled eager run, which reads the counts on the host. The two
-    compile to different graphs (the host read breaks the eager one at each MoE block), whose fused
-    elementwise work may round differently: the curves agree to a tolerance, not bit for bit."""
+    late switch); the compiled eager run reads the counts on the host, a graph break at each MoE
+    block. Compiled with aot_eager (each traced op runs as itself), the two runs are the same bits:
+    every train loss and evaluation."""
+    from fp4lab.train.loop import train
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    moe = dict(model="moe-tiny", compile=True)
+    eager = train(_config(token_file, tmp_path / "eager", **moe))
+    graphed = train(_config(token_file, tmp_path / "graphed", cuda_graph=True, **moe))
+    assert graphed.status == eager.status == "ok"
+    assert graphed.train_curve == eager.train_curve
+    assert [e.val_loss for e in graphed.evals] == [e.val_loss for e in eager.evals]
+
+
+@cuda
+def test_a_compiled_and_graphed_fp4_moe_run_under_inductor_trains_as_the_compiled_eager_one(token_file, tmp_path):
+    """Under inductor the two runs compile different graphs (one per step against one broken at each
+    MoE block), which fuse bf16 elementwise work differently, and FP4 rounding amplifies those
+    last-bit differences from step to step. On an H100 (benchmarks/NOTES.md, 2026-11-26) inductor
+    alone moved this 8-step curve up to 2.5% from the uncompiled run's, and the graphed run sat
+    1.3% from the compiled eager one: the first loss (the same weights, forward only) agrees to
+    1e-4, the curves and the final evaluation to 5%."""
     from fp4lab.train.loop import train
     moe = dict(model="moe-tiny", compile=True)
     eager = train(_config(token_file, tmp_path / "eager", **moe))
     graphed = train(_config(token_file, tmp_path / "graphed", cuda_graph=True, **moe))
     assert graphed.status == eager.status == "ok"
     assert [s for s, _ in graphed.train_curve] == [s for s, _ in eager.train_curve]
-    torch.testing.assert_close(torch.tensor([v for _, v in graphed.train_curve]),
-                               torch.tensor([v for _, v in eager.train_curve]), rtol=2e-3, atol=0)
-    torch.testing.assert_close(graphed.final.val_loss, eager.final.val_loss, rtol=2e-3, atol=0)
+    losses = torch.tensor([v for _, v in graphed.train_curve]), torch.tensor([v for _, v in eager.train_curve])
+    torch.testing.assert_close(losses[0][0], losses[1][0], rtol=1e-4, atol=0)
+    torch.testing.assert_close(*losses, rtol=5e-2, atol=0)
+    torch.testing.assert_close(graphed.final.val_loss, eager.final.val_loss, rtol=5e-2, atol=0)
+    assert losses[0][-1] < losses[0][0] - 1  # it trains (5.5 -> about 4.1 in 8 steps)
 
 
 @cuda
