@@ -13,7 +13,11 @@ graphed step), at the projection's two widths (gate/up read x [S, dim], down rea
   laid out padded per expert to 32 (``rows=``, as nn runs it), random-sign Hadamard (a rotated
   amax pass + the values pass);
 - ``dy columns RHT+SR``: wgrad's copy of dy, rotated and stochastically rounded;
-- and, for scale, a dense linear's pair (both copies of [tokens, dim] from one read).
+- and, for scale, a dense linear's pair (both copies of [tokens, dim] from one read);
+- controls, the routed rows without their groups: the tensor-wide amax pass, the per-expert amax
+  pass the grouped rows copy makes, and the rows copy as one group with its amax given (so the
+  grouped copy's time splits into its amax pass, its values pass and what finding each row's
+  group costs).
 
 Each is replayed from a CUDA graph (device time), as a fraction of the device's copy bandwidth.
 Bytes counted: one read (2 per element) and the block values written (2 per element per copy),
@@ -38,6 +42,7 @@ from benchmarks.common import copy_bandwidth_gbs, environment, graph_ms, save  #
 from benchmarks.sweep_quantize import PAIR, ROWS, TRANSPOSED  # noqa: E402
 from fp4lab import kernels  # noqa: E402
 from fp4lab.kernels import quantize  # noqa: E402
+from fp4lab.kernels.amax import finite_amax, grouped_finite_amax  # noqa: E402
 
 _RHT = {"hadamard": "random"}
 
@@ -69,6 +74,14 @@ def cases(counts: torch.Tensor, dim: int, hidden: int, tokens: int, dev: str = "
             x, "nvfp4", widths, seeds, hadamard_seeds=seeds, rows=sizes, **_RHT), columns)
         out[f"dy columns RHT+SR {label}"] = (lambda x=x: kernels.quantize_grouped_columns(
             x, "nvfp4", widths, seeds, hadamard_seeds=seeds, rows=sizes, rounding="stochastic", **_RHT), columns)
+        # controls, the same rows without the groups: where the grouped rows copy's time goes
+        # (its per-expert amax pass, then the values pass, which finds each row's group)
+        starts = (sizes.cumsum(0) - sizes)
+        amax = finite_amax(x)
+        out[f"control: amax pass [S, {width}]"] = (lambda x=x: finite_amax(x), 2 * x.numel())
+        out[f"control: grouped amax [S, {width}]"] = (lambda x=x: grouped_finite_amax(x, starts), 2 * x.numel())
+        out[f"control: rows, one group, amax given [S, {width}]"] = (
+            lambda x=x, amax=amax: kernels.quantize_values(x, "nvfp4", global_amax=amax), 4 * x.numel())
     dense = torch.randn(tokens, dim, device=dev, dtype=torch.bfloat16)
     out[f"dense pair [{tokens}, {dim}]"] = (lambda: kernels.quantize_values_pair(
         dense, "nvfp4", rows={}, columns={"rounding": "stochastic", "seed": 5, "hadamard_seed": 7, **_RHT},
@@ -86,6 +99,8 @@ def tile_choices(name: str) -> tuple[str, list[tuple[int, int, int]]]:
     """The tile setting a case's launches read (a TILES key, or "pair") and the tiles to try."""
     if name.startswith("dense pair"):
         return "pair", PAIR
+    if name.startswith("control: amax") or name.startswith("control: grouped"):
+        return "amax", []  # not quantize launches: no tile to try
     if " columns " in name:  # a grouped columns launch fixes the tile's width at 32
         return "transposed", [t for t in TRANSPOSED if t[1] == quantize.COL_GROUP_WIDTH]
     return "rows", ROWS
