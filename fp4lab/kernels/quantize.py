@@ -352,8 +352,8 @@ def _quantize_tile(x, rows, local, col_base, group, amax_at, seed_of, lp_of, cod
     if NVFP4:
         if GROUPED == ROW_GROUPS:  # [BR, 1]: each row's group's terms
             s_dec, mult = _tensor_terms(tl.load(amax_at).to(tl.float32, bitcast=True)[:, None], SCALE_RULE)
-            if pid_c == 0:  # every row of a group writes the same S_dec
-                tl.store(s_dec_ptr + group, tl.reshape(s_dec, (BR,)), mask=rows < R)
+            if pid_c == 0:  # each group's first row writes its S_dec (every row has the same one)
+                tl.store(s_dec_ptr + group, tl.reshape(s_dec, (BR,)), mask=(rows < R) & (local == 0))
             s_dec_e = s_dec[:, :, None]  # against [BR, NB, BLOCK]
         else:
             s_dec, mult = _tensor_terms(tl.load(amax_at).to(tl.float32, bitcast=True), SCALE_RULE)

@@ -4,6 +4,7 @@ On a machine without a GPU these run in Triton's interpreter (tests/conftest.py)
 on the device machine the same tests run on CUDA.
 """
 
+import itertools
 import math
 
 import pytest
@@ -361,13 +362,17 @@ def test_device_counts_are_refused_in_a_form_that_cannot_be_right():
                              rounding="stochastic")
 
 
-def test_grouped_amax_is_each_groups_amax():
-    from fp4lab.kernels.amax import grouped_finite_amax
+@pytest.mark.parametrize("sizes", [[7, 1, 50, 32], [0, 70, 0, 20], [90], [45, 45, 0]])
+def test_grouped_amax_is_each_groups_amax(sizes):
+    """Tiles of 32 rows (GROUPED_TILE) that straddle groups, lie inside one (one atomic for the
+    tile), end past the last row, and empty groups (amax 0)."""
+    from fp4lab.kernels.amax import GROUPED_TILE, grouped_finite_amax
+    assert GROUPED_TILE[0] == 32  # the cases above are laid out for it
     x = hard_input((90, 48), 3)
-    sizes = [7, 1, 50, 32]
-    starts = torch.tensor([0, 7, 8, 58], device=DEVICE)
+    starts = torch.tensor([0, *itertools.accumulate(sizes)][:-1], device=DEVICE)
     got = grouped_finite_amax(x.to(DEVICE), starts).cpu()
-    assert torch.equal(got, torch.stack([formats.blocks.finite_amax(xg) for xg in x.split(sizes)]))
+    want = [formats.blocks.finite_amax(xg) if xg.numel() else torch.zeros(()) for xg in x.split(sizes)]
+    assert torch.equal(got, torch.stack(want))
 
 
 def test_grouped_quantize_refuses_groups_that_do_not_fit():
