@@ -223,3 +223,26 @@ def test_grouped_gemms_on_device_counts_are_captured_and_replay_new_counts():
         graph.replay()
         assert torch.equal(out, grouped_scaled_mm(a, b, sizes, alpha))
         assert torch.equal(wgrad, contraction_grouped_mm(x, dy, sizes, alpha))
+
+
+def test_the_gemm_sweep_lists_a_blocks_fifteen_gemms_and_restores_the_tile():
+    """benchmarks/sweep_gemm.py: one GPT block's five linears, each with fprop, dgrad and wgrad
+    shapes (d12: gate and up share theirs, and down's mirror them), and the tile it sets is the module's again after, an
+    error inside included."""
+    import importlib
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    sweep = importlib.import_module("benchmarks.sweep_gemm")
+    shapes = sweep.block_gemms(768, 2048, 2304, 16384)
+    assert sum(shapes.values()) == 15
+    assert shapes[(16384, 768, 2048)] == 3  # gate's and up's fprop, down's dgrad
+    assert shapes[(16384, 2048, 768)] == 3  # down's fprop, gate's and up's dgrad
+    assert shapes[(2048, 16384, 768)] == 2 and shapes[(768, 16384, 2048)] == 1  # gate's, up's and down's wgrad
+    assert shapes[(768, 16384, 768)] == 1 and shapes[(2304, 16384, 768)] == 1  # proj's and qkv's wgrad
+    before = (matmul._BM, matmul._BN, matmul._BK, matmul._WARPS, matmul._STAGES)
+    with pytest.raises(RuntimeError):
+        with sweep.tile((64, 64, 64, 4, 4)):
+            assert (matmul._BM, matmul._BN) == (64, 64)
+            raise RuntimeError("a tile that does not fit")
+    assert (matmul._BM, matmul._BN, matmul._BK, matmul._WARPS, matmul._STAGES) == before
