@@ -44,13 +44,14 @@ def block_gemms(dim: int, hidden: int, qkv: int, tokens: int) -> dict[tuple[int,
 
 @contextmanager
 def tile(cfg: tuple[int, int, int, int, int]):
-    """matmul's dense tile set to ``cfg`` inside the block (restored after)."""
-    saved = (matmul._BM, matmul._BN, matmul._BK, matmul._WARPS, matmul._STAGES)
+    """matmul's dense tile set to ``cfg`` inside the block, for every output size (restored after)."""
+    saved = (matmul._BM, matmul._BN, matmul._BK, matmul._WARPS, matmul._STAGES, matmul._SMALL_OUT)
     matmul._BM, matmul._BN, matmul._BK, matmul._WARPS, matmul._STAGES = cfg
+    matmul._SMALL_OUT = cfg
     try:
         yield
     finally:
-        matmul._BM, matmul._BN, matmul._BK, matmul._WARPS, matmul._STAGES = saved
+        matmul._BM, matmul._BN, matmul._BK, matmul._WARPS, matmul._STAGES, matmul._SMALL_OUT = saved
 
 
 def main() -> None:

@@ -51,6 +51,11 @@ _BM, _BN, _BK, _WARPS, _STAGES = 256, 128, 64, 8, 4
 # 8 warps, 3 stages ran 4x faster than the dense tile (benchmarks/sweep_wgrad.py); BK stays _BK, so
 # each element is summed in the dense kernel's order (the same bits, checked in the sweep)
 _WGRAD_BM, _WGRAD_BN, _WGRAD_WARPS, _WGRAD_STAGES = 128, 128, 8, 3
+# a dense launch of fewer output tiles than the device has SMs (a weight gradient: a small output
+# over a long contraction; d12's [768, 768] is 18 tiles of 256 x 128 on 132 SMs) runs 128 x 128
+# tiles: 1.1-1.2x cuBLAS there instead of 1.7-4x (benchmarks/sweep_gemm.py); BK stays _BK, so the
+# same bits (every tile of the sweep gave the default's)
+_SMALL_OUT = (128, 128, 64, 8, 4)
 USE_TMA = True
 """On CUDA, read tiles through TMA descriptors where the operands allow (16-byte aligned rows, one
 contiguous axis); False forces the pointer kernel (benchmarks compare the two)."""
@@ -239,9 +244,24 @@ def _output(rows: int, n: int, k: int, dtype: torch.dtype, device: torch.device)
     return out, out.numel() == 0 or k == 0
 
 
+def _config(m: int, n: int, grouped: bool, device: torch.device) -> tuple[int, int, int, int, int]:
+    """(BM, BN, BK, warps, stages) of a launch: _tile_shape's, or for a dense launch whose output
+    has fewer tiles than the device has SMs, _SMALL_OUT (grouped launches keep the tile their
+    tile lists were made for)."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return (*_tile_shape(), _WARPS, _STAGES)
+    if not grouped and triton.cdiv(m, _BM) * triton.cdiv(n, _BN) < _sm_count(device):
+        return _SMALL_OUT
+    return _BM, _BN, _BK, _WARPS, _STAGES
+
+
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _launch(a, b, out, alpha, grid, tiles, m, n, k, s_bg, s_alpha, grouped):
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    bm, bn, bk = _tile_shape()
+    bm, bn, bk, warps, stages = _config(m, n, grouped, a.device)
     if tiles is None:
         tiles = (a, a, a)  # unused pointers
     tma = None if interpreted or not USE_TMA else _descriptors(a, b, bm, bn, bk)
@@ -250,13 +270,13 @@ def _launch(a, b, out, alpha, grid, tiles, m, n, k, s_bg, s_alpha, grouped):
         _scaled_mm_tma_kernel[grid(bm, bn)](a_desc, b_desc, out, alpha, *tiles, m, n, k, out.stride(0), out.stride(1),
                                             s_alpha, group_rows if grouped else 0, GROUPED=grouped, B_KN=kn,
                                             BF16_OUT=out.dtype == torch.bfloat16, BM=bm, BN=bn, BK=bk, GROUP_M=8,
-                                            num_warps=_WARPS, num_stages=_STAGES)
+                                            num_warps=warps, num_stages=stages)
         return
     _scaled_mm_kernel[grid(bm, bn)](a, b, out, alpha, *tiles, m, n, k, a.stride(0), a.stride(1), s_bg,
                                     b.stride(-2), b.stride(-1), out.stride(0), out.stride(1), s_alpha,
                                     GROUPED=grouped, BF16_OUT=out.dtype == torch.bfloat16, EVEN_K=k % bk == 0,
                                     DOT_F32=interpreted, BM=bm, BN=bn, BK=bk, GROUP_M=8,
-                                    num_warps=_WARPS, num_stages=_STAGES)
+                                    num_warps=warps, num_stages=stages)
 
 
 def scaled_mm(a: torch.Tensor, b: torch.Tensor, alpha: torch.Tensor, *,

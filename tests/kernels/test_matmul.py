@@ -246,3 +246,32 @@ def test_the_gemm_sweep_lists_a_blocks_fifteen_gemms_and_restores_the_tile():
             assert (matmul._BM, matmul._BN) == (64, 64)
             raise RuntimeError("a tile that does not fit")
     assert (matmul._BM, matmul._BN, matmul._BK, matmul._WARPS, matmul._STAGES) == before
+
+
+def test_a_dense_launch_of_few_output_tiles_takes_the_small_output_tile(monkeypatch):
+    """On a GPU (132 SMs here) a dense launch whose output has fewer 256 x 128 tiles than SMs (a
+    weight gradient: d12's [768, 768] is 18) runs 128 x 128 tiles; a large output keeps the swept
+    default, and a grouped launch always does (its tile lists are made for BM)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(matmul, "_sm_count", lambda device: 132)
+    default = (matmul._BM, matmul._BN, matmul._BK, matmul._WARPS, matmul._STAGES)
+    assert matmul._config(768, 768, False, "cuda") == matmul._SMALL_OUT
+    assert matmul._config(2304, 768, False, "cuda") == matmul._SMALL_OUT  # 9 x 6 = 54 tiles
+    assert matmul._config(16384, 768, False, "cuda") == default  # 64 x 6 = 384 tiles
+    assert matmul._config(768, 768, True, "cuda") == default
+    assert matmul._SMALL_OUT[2] == matmul._BK  # the same K steps: the same bits
+
+
+def test_the_dense_gemm_gives_the_same_bits_at_any_tile(monkeypatch):
+    """A tile is a schedule: with BK fixed, every (BM, BN) sums each output element in the same
+    order, so the small-output tile cannot change a result (interpreted here; the H100 sweep,
+    benchmarks/sweep_gemm.py, checked the same on the device)."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(96, 64, generator=g).to(torch.bfloat16).to(DEVICE)
+    b = torch.randn(80, 64, generator=g).to(torch.bfloat16).to(DEVICE)
+    alpha = torch.tensor(0.75, device=DEVICE)
+    want = scaled_mm(a, b, alpha)
+    bk = matmul._config(96, 80, False, a.device)[2]
+    for bm, bn in ((16, 32), (64, 16), (32, 64)):
+        monkeypatch.setattr(matmul, "_config", lambda m, n, grouped, device, t=(bm, bn, bk, 4, 2): t)
+        assert torch.equal(scaled_mm(a, b, alpha), want), (bm, bn)
