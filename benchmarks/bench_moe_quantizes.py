@@ -79,7 +79,8 @@ def cases(counts: torch.Tensor, dim: int, hidden: int, tokens: int, dev: str = "
         starts = (sizes.cumsum(0) - sizes)
         amax = finite_amax(x)
         out[f"control: amax pass [S, {width}]"] = (lambda x=x: finite_amax(x), 2 * x.numel())
-        out[f"control: grouped amax [S, {width}]"] = (lambda x=x: grouped_finite_amax(x, starts), 2 * x.numel())
+        out[f"control: grouped amax [S, {width}]"] = (lambda x=x, starts=starts: grouped_finite_amax(x, starts),
+                                                      2 * x.numel())
         out[f"control: rows, one group, amax given [S, {width}]"] = (
             lambda x=x, amax=amax: kernels.quantize_values(x, "nvfp4", global_amax=amax), 4 * x.numel())
     dense = torch.randn(tokens, dim, device=dev, dtype=torch.bfloat16)

@@ -34,6 +34,7 @@ Public: ``scaled_mm``, ``grouped_scaled_mm``, ``contraction_grouped_mm``.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 from collections.abc import Sequence
@@ -255,6 +256,7 @@ def _config(m: int, n: int, grouped: bool, device: torch.device) -> tuple[int, i
     return _BM, _BN, _BK, _WARPS, _STAGES
 
 
+@functools.lru_cache(maxsize=None)
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 

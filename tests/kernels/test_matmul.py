@@ -240,12 +240,12 @@ def test_the_gemm_sweep_lists_a_blocks_fifteen_gemms_and_restores_the_tile():
     assert shapes[(16384, 2048, 768)] == 3  # down's fprop, gate's and up's dgrad
     assert shapes[(2048, 16384, 768)] == 2 and shapes[(768, 16384, 2048)] == 1  # gate's, up's and down's wgrad
     assert shapes[(768, 16384, 768)] == 1 and shapes[(2304, 16384, 768)] == 1  # proj's and qkv's wgrad
-    before = (matmul._BM, matmul._BN, matmul._BK, matmul._WARPS, matmul._STAGES)
+    before = (matmul._BM, matmul._BN, matmul._BK, matmul._WARPS, matmul._STAGES, matmul._SMALL_OUT)
     with pytest.raises(RuntimeError):
         with sweep.tile((64, 64, 64, 4, 4)):
-            assert (matmul._BM, matmul._BN) == (64, 64)
+            assert (matmul._BM, matmul._BN) == (64, 64) and matmul._SMALL_OUT == (64, 64, 64, 4, 4)
             raise RuntimeError("a tile that does not fit")
-    assert (matmul._BM, matmul._BN, matmul._BK, matmul._WARPS, matmul._STAGES) == before
+    assert (matmul._BM, matmul._BN, matmul._BK, matmul._WARPS, matmul._STAGES, matmul._SMALL_OUT) == before
 
 
 def test_a_dense_launch_of_few_output_tiles_takes_the_small_output_tile(monkeypatch):
@@ -267,11 +267,14 @@ def test_the_dense_gemm_gives_the_same_bits_at_any_tile(monkeypatch):
     order, so the small-output tile cannot change a result (interpreted here; the H100 sweep,
     benchmarks/sweep_gemm.py, checked the same on the device)."""
     g = torch.Generator().manual_seed(0)
-    a = torch.randn(96, 64, generator=g).to(torch.bfloat16).to(DEVICE)
-    b = torch.randn(80, 64, generator=g).to(torch.bfloat16).to(DEVICE)
+    a = torch.randn(300, 256, generator=g).to(torch.bfloat16).to(DEVICE)  # several K steps, ragged M and N
+    b = torch.randn(200, 256, generator=g).to(torch.bfloat16).to(DEVICE)
     alpha = torch.tensor(0.75, device=DEVICE)
     want = scaled_mm(a, b, alpha)
-    bk = matmul._config(96, 80, False, a.device)[2]
-    for bm, bn in ((16, 32), (64, 16), (32, 64)):
-        monkeypatch.setattr(matmul, "_config", lambda m, n, grouped, device, t=(bm, bn, bk, 4, 2): t)
+    bk = matmul._config(300, 200, False, a.device)[2]
+    # on a GPU the tiles the sweep measured (one MMA kind: warpgroup tiles); interpreted, small ones
+    tiles = ([(256, 128, 8, 4), (128, 128, 8, 4), (64, 64, 4, 4)] if a.is_cuda else
+             [(16, 32, 4, 2), (64, 16, 4, 2), (32, 64, 4, 2)])
+    for bm, bn, warps, stages in tiles:
+        monkeypatch.setattr(matmul, "_config", lambda m, n, grouped, device, t=(bm, bn, bk, warps, stages): t)
         assert torch.equal(scaled_mm(a, b, alpha), want), (bm, bn)
