@@ -57,7 +57,7 @@ def fp4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             layers = keys if keys is not None else [layer_key(name)]
             y = fp4_gemms_op(x2d, w, b, [x2d.shape[0]], layers, recipe, context, grouped=False)
         else:
-            y = _eager_gemms()(x2d, w, b, [x2d.shape[0]], [make_call(as_recipe(recipe), name, context)], grouped=False)
+            y = _eager_path(x2d, w, b, [x2d.shape[0]], recipe, [name], context, False)
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
@@ -92,19 +92,25 @@ def grouped_fp4_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int] 
             layers = keys if keys is not None else [layer_key(n) for n in expert_names(name, weight.shape[0], label)]
             return fp4_gemms_op(x.to(dtype), weight.to(dtype), None, counts, layers, recipe, context, grouped=True)
         names = expert_names(name, weight.shape[0], label)
-        calls = [make_call(as_recipe(recipe), n, context) for n in names]
-        return _eager_gemms()(x.to(dtype), weight.to(dtype), None, counts, calls, grouped=True)
+        return _eager_path(x.to(dtype), weight.to(dtype), None, counts, recipe, names, context, True)
+
+
+def _gemms_with_calls(x, weight, bias, sizes, recipe, names, context, grouped):
+    """The autograd Function's path: each layer's Call (its seeds at the context's tick) made here."""
+    calls = [make_call(as_recipe(recipe), n, context) for n in names]
+    return fp4_gemms(x, weight, bias, sizes, calls, grouped=grouped)
 
 
 # Compiled, a layer that collects statistics or runs its BF16-forward evaluation takes the eager
-# path; dynamo is kept out of it (a graph break at the call) rather than left to trace the autograd
-# Function and give up inside it: torch 2.11 under Python 3.12 failed there with "SystemError: error
-# return without exception set" (tests/nn/test_compile.py, on the device's versions)
-_fp4_gemms_untraced = torch.compiler.disable(fp4_gemms)
+# path, and dynamo is kept out of it (a graph break at the call): it reads no context there (a
+# guard on the tick would recompile every step), and it does not trace the autograd Function, where
+# torch 2.11 under Python 3.12 failed with "SystemError: error return without exception set"
+# (tests/nn/test_compile.py, on the device's versions)
+_gemms_with_calls_untraced = torch.compiler.disable(_gemms_with_calls)
 
 
-def _eager_gemms():
-    return _fp4_gemms_untraced if torch.compiler.is_compiling() else fp4_gemms
+def _eager_path(*args):
+    return (_gemms_with_calls_untraced if torch.compiler.is_compiling() else _gemms_with_calls)(*args)
 
 
 def traced_path(context: QuantContext) -> bool:

@@ -231,7 +231,8 @@ def test_a_layer_pickled_before_the_recipe_slot_loads_with_its_recipe():
 
 def test_a_compiled_layer_on_the_eager_path_is_not_recompiled_by_a_new_recipe():
     """Collecting operand statistics keeps a compiled layer on the eager path, which reads the
-    module's own recipe: registering another recipe recompiles nothing there either."""
+    module's own recipe: registering another recipe recompiles nothing there either, and neither
+    does the next step's tick."""
     from fp4lab.nn.linear import FP4Linear
     torch._dynamo.reset()
     layer = FP4Linear(32, 16, recipe=preset("nvfp4"), context=QuantContext(collect=True))
@@ -241,3 +242,6 @@ def test_a_compiled_layer_on_the_eager_path_is_not_recompiled_by_a_new_recipe():
     FP4Linear(32, 16, recipe=preset("nvfp4").override({"keep_first": 3}))  # a new recipe registered
     with torch._dynamo.config.patch(error_on_recompile=True):
         compiled(x)
+        for tick in range(1, 10):  # nor does the step: the traced frame reads no tick (the limit is 8)
+            layer.context.tick = tick
+            compiled(x)
