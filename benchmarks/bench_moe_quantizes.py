@@ -39,7 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import copy_bandwidth_gbs, environment, graph_ms, save  # noqa: E402
-from benchmarks.sweep_quantize import PAIR, ROWS, TRANSPOSED  # noqa: E402
+from benchmarks.sweep_quantize import PAIR, ROWS, TRANSPOSED, with_tile  # noqa: E402
 from fp4lab import kernels  # noqa: E402
 from fp4lab.kernels import quantize  # noqa: E402
 from fp4lab.kernels.amax import finite_amax, grouped_finite_amax  # noqa: E402
@@ -76,7 +76,7 @@ def cases(counts: torch.Tensor, dim: int, hidden: int, tokens: int, dev: str = "
             x, "nvfp4", widths, seeds, hadamard_seeds=seeds, rows=sizes, rounding="stochastic", **_RHT), columns)
         # controls, the same rows without the groups: where the grouped rows copy's time goes
         # (its per-expert amax pass, then the values pass, which finds each row's group)
-        starts = (sizes.cumsum(0) - sizes)
+        starts = sizes.cumsum(0) - sizes
         amax = finite_amax(x)
         out[f"control: amax pass [S, {width}]"] = (lambda x=x: finite_amax(x), 2 * x.numel())
         out[f"control: grouped amax [S, {width}]"] = (lambda x=x, starts=starts: grouped_finite_amax(x, starts),
@@ -105,22 +105,6 @@ def tile_choices(name: str) -> tuple[str, list[tuple[int, int, int]]]:
     if " columns " in name:  # a grouped columns launch fixes the tile's width at 32
         return "transposed", [t for t in TRANSPOSED if t[1] == quantize.COL_GROUP_WIDTH]
     return "rows", ROWS
-
-
-def with_tile(path: str, tile: tuple[int, int, int], fn):
-    """fn() with the quantize kernel's tile for ``path`` set to ``tile`` (restored after)."""
-    saved = quantize.PAIR_TILE if path == "pair" else quantize.TILES[path]
-    if path == "pair":
-        quantize.PAIR_TILE = tile
-    else:
-        quantize.TILES[path] = tile
-    try:
-        return fn()
-    finally:
-        if path == "pair":
-            quantize.PAIR_TILE = saved
-        else:
-            quantize.TILES[path] = saved
 
 
 def sweep_tiles(all_cases: dict, copy: float) -> dict:

@@ -28,6 +28,23 @@ ROWS = [(32, 128, 4), (16, 128, 2), (64, 64, 4), (16, 256, 4)]
 PAIR = [(64, 64, 4), (32, 64, 4), (64, 32, 4), (128, 64, 8), (64, 128, 8), (32, 32, 2), (128, 128, 8)]
 
 
+def with_tile(path: str, tile: tuple[int, int, int], fn):
+    """fn() with the quantize kernel's tile for ``path`` (a kernels.quantize.TILES key, or "pair"
+    for PAIR_TILE) set to ``tile``, restored after."""
+    saved = quantize.PAIR_TILE if path == "pair" else quantize.TILES[path]
+    if path == "pair":
+        quantize.PAIR_TILE = tile
+    else:
+        quantize.TILES[path] = tile
+    try:
+        return fn()
+    finally:
+        if path == "pair":
+            quantize.PAIR_TILE = saved
+        else:
+            quantize.TILES[path] = saved
+
+
 def main() -> None:
     x = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16)
     copy = copy_bandwidth_gbs()
@@ -38,36 +55,31 @@ def main() -> None:
                                      n * 4, "transposed"),
              "values_axis0_rht_with_amax_pass": (dict(axis=0, hadamard="te"), n * 4, "transposed"),
              "values_rows": (dict(global_amax=amax), n * 4, "rows")}
-    saved = dict(quantize.TILES)
     results = {}
     print(f"copy {copy:.0f} GB/s")
     for name, (kwargs, nbytes, path) in cases.items():
         for tile in TRANSPOSED if path == "transposed" else ROWS:
-            quantize.TILES[path] = tile
             key = f"{name}_{tile[0]}x{tile[1]}_w{tile[2]}"
             try:
-                ms = graph_ms(lambda: kernels.quantize_values(x, backend="triton", **kwargs))
+                ms = with_tile(path, tile, lambda: graph_ms(
+                    lambda: kernels.quantize_values(x, backend="triton", **kwargs)))
             except Exception as exc:  # e.g. too many registers for this tile
                 print(f"{key}: {type(exc).__name__}")
                 continue
             results[key] = {"ms": ms, "over_copy": nbytes / ms / 1e6 / copy}
             print(f"{key:52s} {ms:.3f} ms  {results[key]['over_copy']:.2f} of copy", flush=True)
-        quantize.TILES.update(saved)
     # the pair kernel (x's fprop and wgrad copies from one read: its two passes, amax included)
-    pair_saved = quantize.PAIR_TILE
     for tile in PAIR:
-        quantize.PAIR_TILE = tile
         key = f"pair_x_rht_{tile[0]}x{tile[1]}_w{tile[2]}"
         try:
-            ms = graph_ms(lambda: kernels.quantize_values_pair(
+            ms = with_tile("pair", tile, lambda: graph_ms(lambda: kernels.quantize_values_pair(
                 x, "nvfp4", rows={}, columns=dict(hadamard="random", hadamard_seed=2), columns_len=x.shape[0],
-                backend="triton"))
+                backend="triton")))
         except Exception as exc:  # e.g. too many registers for this tile
             print(f"{key}: {type(exc).__name__}")
             continue
         results[key] = {"ms": ms, "over_copy": n * 6 / ms / 1e6 / copy}  # 2 read + 2 x 2 written
         print(f"{key:52s} {ms:.3f} ms  {results[key]['over_copy']:.2f} of copy", flush=True)
-    quantize.PAIR_TILE = pair_saved
     save("sweep_quantize", {**environment(), "copy_gbs": copy, "cases": results})
 
 

@@ -249,11 +249,9 @@ def _config(m: int, n: int, grouped: bool, device: torch.device) -> tuple[int, i
     """(BM, BN, BK, warps, stages) of a launch: _tile_shape's, or for a dense launch whose output
     has fewer tiles than the device has SMs, _SMALL_OUT (grouped launches keep the tile their
     tile lists were made for)."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return (*_tile_shape(), _WARPS, _STAGES)
-    if not grouped and triton.cdiv(m, _BM) * triton.cdiv(n, _BN) < _sm_count(device):
-        return _SMALL_OUT
-    return _BM, _BN, _BK, _WARPS, _STAGES
+    small = (not grouped and os.environ.get("TRITON_INTERPRET") != "1"
+             and triton.cdiv(m, _BM) * triton.cdiv(n, _BN) < _sm_count(device))
+    return _SMALL_OUT if small else (*_tile_shape(), _WARPS, _STAGES)
 
 
 @functools.lru_cache(maxsize=None)

@@ -12,7 +12,7 @@ in the compute dtype (bf16 under autocast, as nn.Linear); weight and bias gradie
 the parameters' dtype through autograd's casts.
 
 Public: ``QuantContext``, ``FP4Linear``, ``fp4_linear``, ``grouped_fp4_linear``, ``fprop_weight``,
-``layer_key``, ``layer_keys``, ``expert_names``, ``compute_dtype``, ``traced_path``.
+``layer_key``, ``layer_keys``, ``expert_names``, ``compute_dtype``, ``traced_path``, ``slot_arguments``.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from .ops import RecipeSlot, as_recipe, fp4_gemms_op
 from .recipe import Recipe
 
 __all__ = ["QuantContext", "FP4Linear", "fp4_linear", "grouped_fp4_linear", "fprop_weight", "layer_key", "layer_keys",
-           "expert_names", "compute_dtype", "traced_path"]
+           "expert_names", "compute_dtype", "traced_path", "slot_arguments"]
 
 
 def fprop_weight(weight: torch.Tensor, recipe: Recipe, *, name: str,
@@ -113,6 +113,14 @@ def _eager_path(*args):
     return (_gemms_with_calls_untraced if torch.compiler.is_compiling() else _gemms_with_calls)(*args)
 
 
+def slot_arguments(layer: RecipeSlot) -> tuple[str, Recipe | int]:
+    """(name, recipe) a layer with a recipe slot (FP4Linear, GroupedExperts) hands fp4_linear or
+    grouped_fp4_linear. Traced: no name (the op takes the layer's keys; a read name is a guard) and
+    the recipe's index. On the eager path (statistics, a BF16-forward evaluation): its name and the
+    recipe itself (an index would be a lookup in the registry, a guard on its length)."""
+    return ("", layer.recipe_id) if traced_path(layer.context) else (layer.name, layer.recipe)
+
+
 def traced_path(context: QuantContext) -> bool:
     """Under torch.compile the GEMMs go through the custom ops of nn.ops (operand statistics, a
     Python side effect, and the BF16-forward evaluation stay eager)."""
@@ -140,11 +148,7 @@ class FP4Linear(RecipeSlot, nn.Linear):
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # traced, the op takes self.keys and the recipe's index, and the name is never read (a
-        # read name is a guard); the eager path (statistics, a BF16-forward evaluation) takes the
-        # recipe itself (its index would be a lookup in the registry, a guard on its length)
-        traced = traced_path(self.context)
-        name, recipe = ("", self.recipe_id) if traced else (self.name, self.recipe)
+        name, recipe = slot_arguments(self)
         return fp4_linear(x, self.weight, self.bias, recipe, name=name, context=self.context, keys=self.keys)
 
     def extra_repr(self) -> str:

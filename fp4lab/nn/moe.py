@@ -42,7 +42,7 @@ from torch import nn
 
 from ..formats.types import Choice
 from .gemms import counts_stay_on_device
-from .linear import QuantContext, compute_dtype, expert_names, grouped_fp4_linear, layer_keys, traced_path
+from .linear import QuantContext, compute_dtype, expert_names, grouped_fp4_linear, layer_keys, slot_arguments
 from .ops import RecipeSlot, registered_recipe
 from .recipe import Recipe
 
@@ -144,8 +144,7 @@ class GroupedExperts(RecipeSlot, nn.Module):
                 return torch._grouped_mm(x.to(dtype), w_EOI.to(dtype).transpose(-2, -1), offs=offsets_E)
             return mm(F.silu(mm(x_sorted_SD, self.w_gate)) * mm(x_sorted_SD, self.w_up), self.w_down)
         if self.recipe is not None:
-            traced = traced_path(self.context)  # traced: keys and the recipe's index, no name guard
-            name, recipe = ("", self.recipe_id) if traced else (self.name, self.recipe)
+            name, recipe = slot_arguments(self)
             counts = counts_E if self._fp4_counts_kept(x_sorted_SD.device, dtype) else counts_E.tolist()
 
             def project(x: torch.Tensor, w: torch.Tensor, label: str) -> torch.Tensor:
