@@ -9,6 +9,10 @@ are byte-identical to fp4lab.formats (tested exhaustively under TRITON_INTERPRET
     e2m1_stochastic(v, r) the same split, rounding up iff r / 256 < dropped fraction: for v >= 1,
                           (r << 14) < the 22 dropped bits; below 1, r < (2v - floor(2v)) * 256 --
                           codes._shift_round's rule, up-probability ceil(256 frac) / 256
+    e2m1_rtne_value(v), e2m1_stochastic_value(v, r)
+                          e2m1_value of those codes (unsigned), made without the code: for v >= 1
+                          the fp32 bits with the dropped 22 rounded away, below 1 the thresholds'
+                          0, .5 or 1 (what a kernel writing block values needs: fewer instructions)
     e4m3_rtne(y)          0 <= y <= 448 fp32 -> E4M3 byte, codes._encode_magnitude in int32
     e4m3_value(b)         E4M3 byte -> fp32 (exact, from the bit fields)
     e2m1_value(c)         E2M1 nibble -> fp32;  scale_value(b, NVFP4): E4M3 / UE8M0 byte -> fp32
@@ -47,6 +51,27 @@ def e2m1_stochastic(v, r):
     lo = (twice >= 1.0).to(tl.int32)
     subnormal = lo + (r.to(tl.float32) < (twice - lo.to(tl.float32)) * 256.0).to(tl.int32)
     return tl.where(bits >= 0x3F800000, normal, subnormal)
+
+
+@triton.jit
+def e2m1_rtne_value(v):
+    """v: fp32 magnitudes in [0, 6] -> fp32 e2m1_value(e2m1_rtne(v)): 0, .5, 1, 1.5, 2, 3, 4 or 6."""
+    bits = v.to(tl.int32, bitcast=True)
+    normal = ((bits + 0x1FFFFF + ((bits >> 22) & 1)) & -0x400000).to(tl.float32, bitcast=True)  # & 0xFFC00000
+    subnormal = tl.where(v >= 0.75, 1.0, tl.where(v > 0.25, 0.5, 0.0))
+    return tl.where(bits >= 0x3F800000, normal, subnormal)
+
+
+@triton.jit
+def e2m1_stochastic_value(v, r):
+    """v: fp32 magnitudes in [0, 6]; r: int32 random bytes -> fp32 e2m1_value(e2m1_stochastic(v, r))."""
+    bits = v.to(tl.int32, bitcast=True)
+    up = ((r << 14) < (bits & 0x3FFFFF)).to(tl.int32)
+    normal = ((bits & -0x400000) + (up << 22)).to(tl.float32, bitcast=True)  # a carry makes the next power of 2
+    twice = v * 2.0
+    lo = (twice >= 1.0).to(tl.int32)
+    subnormal = lo + (r.to(tl.float32) < (twice - lo.to(tl.float32)) * 256.0).to(tl.int32)
+    return tl.where(bits >= 0x3F800000, normal, subnormal.to(tl.float32) * 0.5)
 
 
 @triton.jit

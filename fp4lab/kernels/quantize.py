@@ -44,8 +44,8 @@ from ..formats.nvfp4 import _check_amax, _nvfp4_block, nvfp4_tensor_terms
 from ..formats.types import Format, FP4Tensor, MXScaleMode, NVFP4Profile, Rounding
 from .amax import finite_amax, grouped_finite_amax
 from .operand import BlockValues, device_counts
-from .elements import (e2m1_rtne, e2m1_stochastic, e2m1_value, e4m3_rtne, e4m3_value, group_of, pack_nibble_pairs,
-                       philox_bytes, round_to_bf16, scale_value, to_bf16_rtne, widen)
+from .elements import (e2m1_rtne, e2m1_rtne_value, e2m1_stochastic, e2m1_stochastic_value, e2m1_value, e4m3_rtne,
+                       e4m3_value, group_of, pack_nibble_pairs, philox_bytes, round_to_bf16, scale_value, widen)
 
 # SCALE_RULE: how a block's scale is made (NVFP4 profiles, then MXFP4 scale modes)
 NV_TE, NV_TORCHAO, NV_FOUR_SIX = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
@@ -93,19 +93,13 @@ def _halves(v, BR: tl.constexpr, NB: tl.constexpr, N: tl.constexpr):
 
 
 @triton.jit
-def _interleave(a, b, BR: tl.constexpr, NB: tl.constexpr, N: tl.constexpr):
-    """The inverse of _halves: a at even positions, b at odd, -> [BR, NB, N]."""
-    return tl.reshape(tl.join(a, b), (BR, NB, N))
+def _butterfly16_parts(v, BR: tl.constexpr, NB: tl.constexpr):
+    """v: [BR, NB, 16] -> each 16-run times H16 (unscaled), in formats.hadamard._butterfly's order,
+    as its 16 positions (p0 .. p15, each [BR, NB, 1]).
 
-
-@triton.jit
-def _butterfly16(v, BR: tl.constexpr, NB: tl.constexpr):
-    """v: [BR, NB, 16] -> each 16-run times H16 (unscaled), in formats.hadamard._butterfly's order.
-
-    The run is taken apart into its 16 elements (p0 .. p15, each [BR, NB, 1]) by halving along the
-    last axis, the four stages pair p_i with p_(i+h) as plain elementwise adds, and the halves are
-    put back together. Splitting and joining a trailing axis of size 2 stays inside a thread, so
-    the stages move no data between threads (a reshape/permute formulation did, four times)."""
+    The run is taken apart by halving along the last axis, and the four stages pair p_i with
+    p_(i+h) as plain elementwise adds. Splitting a trailing axis of size 2 stays inside a thread,
+    so the stages move no data between threads (a reshape/permute formulation did, four times)."""
     e, o = _halves(v, BR, NB, 16)
     ee, eo = _halves(e, BR, NB, 8)
     oe, oo = _halves(o, BR, NB, 8)
@@ -157,13 +151,18 @@ def _butterfly16(v, BR: tl.constexpr, NB: tl.constexpr):
     p5, p13 = p5 + p13, p5 - p13
     p6, p14 = p6 + p14, p6 - p14
     p7, p15 = p7 + p15, p7 - p15
-    eee, eeo = _interleave(p0, p8, BR, NB, 2), _interleave(p4, p12, BR, NB, 2)
-    eoe, eoo = _interleave(p2, p10, BR, NB, 2), _interleave(p6, p14, BR, NB, 2)
-    oee, oeo = _interleave(p1, p9, BR, NB, 2), _interleave(p5, p13, BR, NB, 2)
-    ooe, ooo = _interleave(p3, p11, BR, NB, 2), _interleave(p7, p15, BR, NB, 2)
-    ee, eo = _interleave(eee, eeo, BR, NB, 4), _interleave(eoe, eoo, BR, NB, 4)
-    oe, oo = _interleave(oee, oeo, BR, NB, 4), _interleave(ooe, ooo, BR, NB, 4)
-    return _interleave(_interleave(ee, eo, BR, NB, 8), _interleave(oe, oo, BR, NB, 8), BR, NB, 16)
+    return p0, p1, p2, p3, p4, p5, p6, p7, p8, p9, p10, p11, p12, p13, p14, p15
+
+
+@triton.jit
+def _butterfly16(v, BR: tl.constexpr, NB: tl.constexpr):
+    """v: [BR, NB, 16] -> each 16-run times H16 (unscaled), in formats.hadamard._butterfly's order:
+    _butterfly16_parts put back together by joins, each adding a trailing axis inside the thread
+    (the last join is position bit 0, so the first pairs p_j with p_(j+8)), and one reshape."""
+    p0, p1, p2, p3, p4, p5, p6, p7, p8, p9, p10, p11, p12, p13, p14, p15 = _butterfly16_parts(v, BR, NB)
+    a = tl.join(tl.join(tl.join(tl.join(p0, p8), tl.join(p4, p12)), tl.join(tl.join(p2, p10), tl.join(p6, p14))),
+                tl.join(tl.join(tl.join(p1, p9), tl.join(p5, p13)), tl.join(tl.join(p3, p11), tl.join(p7, p15))))
+    return tl.reshape(a, (BR, NB, 16))
 
 
 @triton.jit
@@ -177,11 +176,8 @@ def _butterfly32(v, BR: tl.constexpr, NB: tl.constexpr):
 
 
 @triton.jit
-def _hadamard(x, seed, RULE: tl.constexpr, ROUND_BF16: tl.constexpr, BR: tl.constexpr, NB: tl.constexpr,
-              N: tl.constexpr):
-    """x: [BR, NB, N] fp32 (N = 16 or 32) -> each N-run times diag(signs) H_N / sqrt(N), in
-    formats.hadamard's butterfly order (so the fp32 sums are the reference's), rounded to bf16
-    when the input was bf16. TE's signs exist for N = 16 only (the launcher checks)."""
+def _signed(x, seed, RULE: tl.constexpr, N: tl.constexpr):
+    """x: [BR, NB, N] fp32 -> x times the rotation's signs (diag(signs) of formats.hadamard)."""
     j = tl.arange(0, N)
     if RULE == SIGNS_TE:
         negative = (TE_NEGATIVE >> j) & 1
@@ -190,7 +186,16 @@ def _hadamard(x, seed, RULE: tl.constexpr, ROUND_BF16: tl.constexpr, BR: tl.cons
         negative = tl.reshape(philox_bytes(seed, groups), (N,)) & 1
     else:
         negative = j * 0
-    v = x * (1 - 2 * negative).to(tl.float32)[None, None, :]
+    return x * (1 - 2 * negative).to(tl.float32)[None, None, :]
+
+
+@triton.jit
+def _hadamard(x, seed, RULE: tl.constexpr, ROUND_BF16: tl.constexpr, BR: tl.constexpr, NB: tl.constexpr,
+              N: tl.constexpr):
+    """x: [BR, NB, N] fp32 (N = 16 or 32) -> each N-run times diag(signs) H_N / sqrt(N), in
+    formats.hadamard's butterfly order (so the fp32 sums are the reference's), rounded to bf16
+    when the input was bf16. TE's signs exist for N = 16 only (the launcher checks)."""
+    v = _signed(x, seed, RULE, N)
     if N == 16:
         v = _butterfly16(v, BR, NB) * 0.25
     else:
@@ -201,11 +206,40 @@ def _hadamard(x, seed, RULE: tl.constexpr, ROUND_BF16: tl.constexpr, BR: tl.cons
 
 
 @triton.jit
+def _rotated_part_bits(p, ROUND_BF16: tl.constexpr):
+    """One position of a 16-point rotation (unscaled) -> |its rotated value|'s bits, 0 where not finite."""
+    v = p * 0.25
+    if ROUND_BF16:
+        v = round_to_bf16(v)
+    bits = v.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    return tl.where(bits < 0x7F800000, bits, 0)
+
+
+@triton.jit
+def _rotated_finite_max_bits(x, seed, RULE: tl.constexpr, ROUND_BF16: tl.constexpr, BR: tl.constexpr,
+                             NB: tl.constexpr):
+    """_finite_max_bits(_hadamard(x, ..., N=16)) without putting the 16 positions back in order
+    (the max does not need it, and the joins cost layout changes)."""
+    p0, p1, p2, p3, p4, p5, p6, p7, p8, p9, p10, p11, p12, p13, p14, p15 = \
+        _butterfly16_parts(_signed(x, seed, RULE, 16), BR, NB)
+    m = tl.maximum(tl.maximum(tl.maximum(_rotated_part_bits(p0, ROUND_BF16), _rotated_part_bits(p1, ROUND_BF16)),
+                              tl.maximum(_rotated_part_bits(p2, ROUND_BF16), _rotated_part_bits(p3, ROUND_BF16))),
+                   tl.maximum(tl.maximum(_rotated_part_bits(p4, ROUND_BF16), _rotated_part_bits(p5, ROUND_BF16)),
+                              tl.maximum(_rotated_part_bits(p6, ROUND_BF16), _rotated_part_bits(p7, ROUND_BF16))))
+    m = tl.maximum(m, tl.maximum(
+        tl.maximum(tl.maximum(_rotated_part_bits(p8, ROUND_BF16), _rotated_part_bits(p9, ROUND_BF16)),
+                   tl.maximum(_rotated_part_bits(p10, ROUND_BF16), _rotated_part_bits(p11, ROUND_BF16))),
+        tl.maximum(tl.maximum(_rotated_part_bits(p12, ROUND_BF16), _rotated_part_bits(p13, ROUND_BF16)),
+                   tl.maximum(_rotated_part_bits(p14, ROUND_BF16), _rotated_part_bits(p15, ROUND_BF16)))))
+    return tl.max(m)
+
+
+@triton.jit
 def _finite_max_bits(x):
-    """x: [BR, NB, N] fp32 -> int32 bits of its largest finite |x| (0 if none): the tile's share
+    """x: fp32 tile (any rank) -> int32 bits of its largest finite |x| (0 if none): the tile's share
     of a tensor amax, folded in with an atomic max (non-negative floats order like their bits)."""
     bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-    return tl.max(tl.max(tl.max(tl.where(bits < 0x7F800000, bits, 0), axis=2), axis=1), axis=0)
+    return tl.max(tl.where(bits < 0x7F800000, bits, 0))
 
 
 @triton.jit
@@ -319,11 +353,17 @@ def _fp4_quantize_kernel(x_ptr, codes_ptr, scales_ptr, amax_ptr, s_dec_ptr, seed
         inside = (rows[:, None] < R) & (cols[None, :] < data_end)
         x = tl.load(x_ptr + rows[:, None] * stride_r + src[None, :] * stride_c, mask=inside, other=0.0)
     x = tl.reshape(widen(x, BF16_BITS), (BR, NB, BLOCK))
+    if AMAX_ONLY:  # the first pass of a rotated quantize: the rotated tensor's finite amax (never asked
+        # of row groups)
+        if (HADAMARD != NO_ROTATION) & (BLOCK == 16):
+            tl.atomic_max(amax_at, _rotated_finite_max_bits(x, h_seed, HADAMARD, BF16_BITS, BR, NB))
+        else:
+            if HADAMARD != NO_ROTATION:
+                x = _hadamard(x, h_seed, HADAMARD, BF16_BITS, BR, NB, BLOCK)
+            tl.atomic_max(amax_at, _finite_max_bits(x))
+        return
     if HADAMARD != NO_ROTATION:
         x = _hadamard(x, h_seed, HADAMARD, BF16_BITS, BR, NB, BLOCK)
-    if AMAX_ONLY:  # the first pass of a rotated quantize: the rotated tensor's finite amax
-        tl.atomic_max(amax_at, _finite_max_bits(x))  # (never asked of row groups)
-        return
 
     _quantize_tile(x, rows, local, col_base, group, amax_at, seed_of, lp_of, codes_ptr, scales_ptr, s_dec_ptr,
                    R, R_OUT, LP, tl.program_id(0), tl.program_id(1), SCALE_RULE, BLOCK, TILE_ROWS, STOCHASTIC,
@@ -385,28 +425,34 @@ def _quantize_tile(x, rows, local, col_base, group, amax_at, seed_of, lp_of, cod
         e_b = tl.where(e == 127, (0x400000 + tl.zeros_like(e)), (127 - e) << 23).to(tl.float32, bitcast=True)
         nan_byte = 0xFF
 
-    v = tl.minimum(tl.maximum(x * e_b[:, :, None], -6.0), 6.0)
-    vbits = v.to(tl.int32, bitcast=True)
-    mag = (vbits & 0x7FFFFFFF).to(tl.float32, bitcast=True)
+    # |clamp(x e_b, -6, 6)| (rounding is sign-symmetric) and the sign bit of x e_b (x's: e_b > 0)
+    mag = tl.minimum(tl.abs(x) * e_b[:, :, None], 6.0)
+    sign = x.to(tl.int32, bitcast=True) & -0x80000000
     if STOCHASTIC:  # group g = row * LP/16 + col/16: rng.random_bytes over the stored layout
         groups = local[:, None] * (lp_of // 16) + (col_base + tl.arange(0, BC // 16))[None, :]
         rand = tl.reshape(philox_bytes(seed_of, groups), (BR, NB, BLOCK))
-        code = e2m1_stochastic(mag, rand)
-    else:
-        code = e2m1_rtne(mag)
-    code = code | (((vbits >> 31) & 1) << 3)
-    code = tl.where(bad[:, :, None] > 0, 0, code)
-    sbyte = tl.where(bad > 0, nan_byte, sbyte)
 
     keep = rows[:, None] < R_OUT
     # no early return: a return inside a constexpr branch of a helper is not where the compiler stops
-    if OUT_VALUES:  # code * block scale as bf16 bits (exact), the operand an emulated GEMM multiplies
-        values = e2m1_value(code) * scale_value(sbyte, NVFP4)[:, :, None]
+    if OUT_VALUES:  # code * block scale as bf16 bits, the operand an emulated GEMM multiplies: the
+        # product of a 2-bit grid value and an E4M3 / UE8M0 scale is exact in fp32 and in bf16 (or
+        # overflows to Inf in both), so its fp32 bits' top half is the bf16; a poisoned block is NaN
+        if STOCHASTIC:
+            q = e2m1_stochastic_value(mag, rand)
+        else:
+            q = e2m1_rtne_value(mag)
+        bits = (q * scale_value(sbyte, NVFP4)[:, :, None]).to(tl.int32, bitcast=True) | sign
+        bits = tl.where(bad[:, :, None] > 0, 0x7FC00000, bits)
         vcols = pid_c * BC + tl.arange(0, BC)
-        tl.store(codes_ptr + rows[:, None] * LP + vcols[None, :],
-                 to_bf16_rtne(tl.reshape(values, (BR, BC))).to(tl.int16, bitcast=True),
+        tl.store(codes_ptr + rows[:, None] * LP + vcols[None, :], tl.reshape(bits >> 16, (BR, BC)).to(tl.int16),
                  mask=keep & (vcols[None, :] < LP))
     else:
+        if STOCHASTIC:
+            code = e2m1_stochastic(mag, rand)
+        else:
+            code = e2m1_rtne(mag)
+        code = tl.where(bad[:, :, None] > 0, 0, code | ((sign >> 28) & 8))
+        sbyte = tl.where(bad > 0, nan_byte, sbyte)
         packed = pack_nibble_pairs(tl.reshape(code, (BR, BC)), BR, BC)
         pcols = pid_c * (BC // 2) + tl.arange(0, BC // 2)
         tl.store(codes_ptr + rows[:, None] * (LP // 2) + pcols[None, :], packed,
@@ -440,12 +486,17 @@ def _fp4_pair_kernel(x_ptr, rows_ptr, cols_ptr, amax_ptr, s_dec_ptr, seed_r, see
         h_seed_c = tl.load(h_seed_c_ptr)
     xr = tl.reshape(x, (BM, BK // BLOCK, BLOCK))
     xc = tl.reshape(tl.trans(x), (BK, BM // BLOCK, BLOCK))
-    if HADAMARD_C != NO_ROTATION:
-        xc = _hadamard(xc, h_seed_c, HADAMARD_C, BF16_BITS, BK, BM // BLOCK, BLOCK)
     if AMAX_ONLY:  # both tensor amaxes (finite values only) in one read
-        tl.atomic_max(amax_ptr, _finite_max_bits(xr))
-        tl.atomic_max(amax_ptr + 1, _finite_max_bits(xc))
+        tl.atomic_max(amax_ptr, _finite_max_bits(x))
+        if (HADAMARD_C != NO_ROTATION) & (BLOCK == 16):
+            tl.atomic_max(amax_ptr + 1, _rotated_finite_max_bits(xc, h_seed_c, HADAMARD_C, BF16_BITS, BK, BM // BLOCK))
+        else:
+            if HADAMARD_C != NO_ROTATION:
+                xc = _hadamard(xc, h_seed_c, HADAMARD_C, BF16_BITS, BK, BM // BLOCK, BLOCK)
+            tl.atomic_max(amax_ptr + 1, _finite_max_bits(xc))
     else:
+        if HADAMARD_C != NO_ROTATION:
+            xc = _hadamard(xc, h_seed_c, HADAMARD_C, BF16_BITS, BK, BM // BLOCK, BLOCK)
         _quantize_tile(xr, rows, rows, pid_k * (BK // 16), 0, amax_ptr, seed_r, K, rows_ptr, rows_ptr, s_dec_ptr,
                        M, M, K, pid_m, pid_k, RULE_R, BLOCK, 1, STOCHASTIC_R, True, NO_GROUPS, BM, BK)
         _quantize_tile(xc, cols, cols, pid_m * (BM // 16), 0, amax_ptr + 1, seed_c, MP, cols_ptr, cols_ptr,

@@ -8,8 +8,8 @@ import triton.language as tl  # noqa: E402
 
 from fp4lab.formats import codes as C  # noqa: E402
 from fp4lab.formats.rng import philox4x32, random_bytes  # noqa: E402
-from fp4lab.kernels.elements import (e2m1_rtne, e2m1_stochastic, e4m3_rtne, e4m3_value,  # noqa: E402
-                                     philox_bytes, to_bf16_rtne)
+from fp4lab.kernels.elements import (e2m1_rtne, e2m1_rtne_value, e2m1_stochastic,  # noqa: E402
+                                     e2m1_stochastic_value, e4m3_rtne, e4m3_value, philox_bytes, to_bf16_rtne)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ALL_BF16 = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
@@ -65,6 +65,37 @@ def _philox_kernel(out_ptr, seed, G: tl.constexpr):
     groups = tl.arange(0, G).to(tl.int64)[None, :] + (1 << 33)  # a counter past 32 bits
     b = philox_bytes(seed, groups)  # [1, G, 16]
     tl.store(out_ptr + tl.arange(0, G)[None, :, None] * 16 + tl.arange(0, 16)[None, None, :], b)
+
+
+@triton.jit
+def _grid_values_kernel(v_ptr, r_ptr, rtne_ptr, sr_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    v = tl.load(v_ptr + offs, mask=m, other=0.0)
+    r = tl.load(r_ptr + offs, mask=m, other=0).to(tl.int32)
+    tl.store(rtne_ptr + offs, e2m1_rtne_value(v), mask=m)
+    tl.store(sr_ptr + offs, e2m1_stochastic_value(v, r), mask=m)
+
+
+def test_grid_values_are_the_decoded_codes():
+    """e2m1_*_value(v) = the value of e2m1_*(v)'s code, for fp32 magnitudes (a kernel's x * e_b is
+    any fp32, not only bf16): every bf16 in [0, 6] with all 256 bytes, the grid's midpoints and
+    their fp32 neighbours, and random fp32 bit patterns in [0, 6]."""
+    grid = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6])
+    mids = (grid[1:] + grid[:-1]) / 2
+    near = torch.cat([mids, torch.nextafter(mids, torch.tensor(0.0)), torch.nextafter(mids, torch.tensor(9.0)),
+                      torch.tensor([0.25, 0.75, 1.0, 6.0]).nextafter(torch.tensor(0.0))])
+    bf16 = ALL_BF16[(ALL_BF16 >= 0) & (ALL_BF16 <= 6)].unique()
+    g = torch.Generator().manual_seed(3)
+    rand_bits = torch.randint(0, 0x40C00001, (1 << 16,), generator=g, dtype=torch.int32).view(torch.float32)
+    v = torch.cat([bf16.repeat_interleave(256), near.repeat_interleave(256), rand_bits])
+    r = torch.cat([torch.arange(256, dtype=torch.uint8).repeat(bf16.numel() + near.numel()),
+                   torch.randint(0, 256, (1 << 16,), generator=g, dtype=torch.uint8)])
+    n = v.numel()
+    rtne, sr = (torch.empty(n, device=DEVICE) for _ in range(2))
+    _grid_values_kernel[(triton.cdiv(n, 4096),)](v.to(DEVICE), r.to(DEVICE), rtne, sr, n, BLOCK=4096)
+    assert torch.equal(rtne.cpu(), C.decode_e2m1(C.encode_e2m1(v)))
+    assert torch.equal(sr.cpu(), C.decode_e2m1(C.encode_e2m1(v, r)))
 
 
 def test_philox_bytes_match_rng():
