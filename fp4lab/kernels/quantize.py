@@ -425,9 +425,6 @@ def _quantize_tile(x, rows, local, col_base, group, amax_at, seed_of, lp_of, cod
         e_b = tl.where(e == 127, (0x400000 + tl.zeros_like(e)), (127 - e) << 23).to(tl.float32, bitcast=True)
         nan_byte = 0xFF
 
-    # |clamp(x e_b, -6, 6)| (rounding is sign-symmetric) and the sign bit of x e_b (x's: e_b > 0)
-    mag = tl.minimum(tl.abs(x) * e_b[:, :, None], 6.0)
-    sign = x.to(tl.int32, bitcast=True) & -0x80000000
     if STOCHASTIC:  # group g = row * LP/16 + col/16: rng.random_bytes over the stored layout
         groups = local[:, None] * (lp_of // 16) + (col_base + tl.arange(0, BC // 16))[None, :]
         rand = tl.reshape(philox_bytes(seed_of, groups), (BR, NB, BLOCK))
@@ -436,22 +433,27 @@ def _quantize_tile(x, rows, local, col_base, group, amax_at, seed_of, lp_of, cod
     # no early return: a return inside a constexpr branch of a helper is not where the compiler stops
     if OUT_VALUES:  # code * block scale as bf16 bits, the operand an emulated GEMM multiplies: the
         # product of a 2-bit grid value and an E4M3 / UE8M0 scale is exact in fp32 and in bf16 (or
-        # overflows to Inf in both), so its fp32 bits' top half is the bf16; a poisoned block is NaN
+        # overflows to Inf in both), so its fp32 bits' top half is the bf16; a poisoned block is NaN.
+        # |clamp(x e_b, -6, 6)| is min(|x| e_b, 6) (rounding is sign-symmetric); the sign is x's (e_b > 0)
+        mag = tl.minimum(tl.abs(x) * e_b[:, :, None], 6.0)
         if STOCHASTIC:
             q = e2m1_stochastic_value(mag, rand)
         else:
             q = e2m1_rtne_value(mag)
-        bits = (q * scale_value(sbyte, NVFP4)[:, :, None]).to(tl.int32, bitcast=True) | sign
-        bits = tl.where(bad[:, :, None] > 0, 0x7FC00000, bits)
+        bits = (q * scale_value(sbyte, NVFP4)[:, :, None]).to(tl.int32, bitcast=True)
+        bits = tl.where(bad[:, :, None] > 0, 0x7FC00000, bits | (x.to(tl.int32, bitcast=True) & -0x80000000))
         vcols = pid_c * BC + tl.arange(0, BC)
         tl.store(codes_ptr + rows[:, None] * LP + vcols[None, :], tl.reshape(bits >> 16, (BR, BC)).to(tl.int16),
                  mask=keep & (vcols[None, :] < LP))
     else:
+        v = tl.minimum(tl.maximum(x * e_b[:, :, None], -6.0), 6.0)
+        vbits = v.to(tl.int32, bitcast=True)
+        mag = (vbits & 0x7FFFFFFF).to(tl.float32, bitcast=True)
         if STOCHASTIC:
             code = e2m1_stochastic(mag, rand)
         else:
             code = e2m1_rtne(mag)
-        code = tl.where(bad[:, :, None] > 0, 0, code | ((sign >> 28) & 8))
+        code = tl.where(bad[:, :, None] > 0, 0, code | (((vbits >> 31) & 1) << 3))
         sbyte = tl.where(bad > 0, nan_byte, sbyte)
         packed = pack_nibble_pairs(tl.reshape(code, (BR, BC)), BR, BC)
         pcols = pid_c * (BC // 2) + tl.arange(0, BC // 2)
