@@ -329,7 +329,11 @@ def contraction_grouped_values_mm(a: list[BlockValues] | GroupedValues, b: list[
         _check_grouped_pair(a, b)
         if uses_triton(a.values, backend) and out_dtype in (torch.float32, torch.bfloat16):
             from .matmul import contraction_grouped_mm
-            return contraction_grouped_mm(a.values, b.values, a.sizes, _alphas(a, b), out_dtype=out_dtype)
+            from .quantize import COL_GROUP_WIDTH
+            # column groups are whole column tiles of the quantize (device widths too: trusted there)
+            multiple = COL_GROUP_WIDTH if a.values.shape[1] % COL_GROUP_WIDTH == 0 else 1
+            return contraction_grouped_mm(a.values, b.values, a.sizes, _alphas(a, b), out_dtype=out_dtype,
+                                          width_multiple=multiple)
     a, b = _groups(a), _groups(b)
     if len(a) != len(b) or not a:
         raise ValueError(f"contraction_grouped_values_mm takes as many A as B operands (at least one), got {len(a)} "

@@ -29,8 +29,13 @@ Public: the functions above (``@triton.jit``, callable from kernels only).
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
+
+# compiled for a GPU (not run by Triton's interpreter): hardware conversions round as the spec does
+HARDWARE_BF16 = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 
 
 @triton.jit
@@ -138,7 +143,12 @@ def to_bf16_rtne(x):
 
 @triton.jit
 def round_to_bf16(x):
-    """x: fp32 -> fp32 holding x rounded to bf16 (nearest even), exactly on every backend."""
+    """x: fp32 -> fp32 holding x rounded to bf16 (nearest even), exactly on every backend: on a GPU
+    its conversion instruction (cvt.rn.bf16.f32, two values an instruction, a quarter of the
+    integer form's), interpreted the integer form (the interpreter's conversion truncates). They
+    differ in a NaN's payload alone, which no caller keeps (a NaN poisons its block)."""
+    if HARDWARE_BF16:
+        return x.to(tl.bfloat16).to(tl.float32)
     return (to_bf16_rtne(x).to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
 
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 import os
 from collections.abc import Sequence
 
@@ -147,7 +148,7 @@ def _scaled_mm_kernel(a_ptr, b_ptr, c_ptr, alpha_ptr, tile_group_ptr, tile_row_p
 def _contraction_grouped_kernel(a_ptr, b_ptr, c_ptr, alpha_ptr, k_start_ptr, k_width_ptr, M, N,
                                 s_am, s_ak, s_bn, s_bk, s_cg, s_cm, s_cn,
                                 BF16_OUT: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
-                                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                                K_MULTIPLE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """C[g] = alpha[g] * (A[:, seg_g] @ B[:, seg_g]^T), seg_g = the group's columns: each program
     one (group, row tile, column tile), its contraction the group's own columns, summed in the
     order _scaled_mm_kernel sums a [M, width] x [N, width] product (the same _accumulate)."""
@@ -159,8 +160,12 @@ def _contraction_grouped_kernel(a_ptr, b_ptr, c_ptr, alpha_ptr, k_start_ptr, k_w
     rm_in = tl.minimum(rm, M - 1).to(tl.int64)
     rn_in = tl.minimum(rn, N - 1).to(tl.int64)
     k0 = tl.load(k_start_ptr + g).to(tl.int64)
+    width = tl.load(k_width_ptr + g)
+    if K_MULTIPLE > 1:  # the launcher's promise: starts and widths multiples of K_MULTIPLE
+        k0 = tl.multiple_of(k0, K_MULTIPLE)
+        width = tl.multiple_of(width, K_MULTIPLE)
     acc = _accumulate(a_ptr + k0 * s_ak, b_ptr + k0 * s_bk, rm_in, rn_in, s_am, s_ak, s_bn, s_bk,
-                      tl.load(k_width_ptr + g), EVEN_K, DOT_F32, BM, BN, BK)
+                      width, EVEN_K, DOT_F32, BM, BN, BK)
     _store_scaled(acc, alpha_ptr, g, 1, c_ptr + g.to(tl.int64) * s_cg, rm, rn, M, N, s_cm, s_cn, BF16_OUT)
 
 
@@ -369,11 +374,16 @@ def grouped_scaled_mm(a: torch.Tensor, b: torch.Tensor, sizes: Sequence[int] | t
 
 
 def contraction_grouped_mm(a: torch.Tensor, b: torch.Tensor, widths: Sequence[int] | torch.Tensor,
-                           alpha: torch.Tensor, *, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+                           alpha: torch.Tensor, *, out_dtype: torch.dtype = torch.bfloat16,
+                           width_multiple: int = 1) -> torch.Tensor:
     """a: [M, S] bf16, b: [N, S] bf16 (any strides), widths: G ints >= 0 summing to S (a list, or a
     tensor on a's device, trusted as grouped_scaled_mm's sizes: reads stop at S), alpha: [G] fp32 -> [G, M, N]:
     out[g] = alpha[g] * (a_g @ b_g^T), a_g and b_g group g's columns; each is what
-    scaled_mm(a_g, b_g, alpha[g]) computes (a group of width 0 gives zeros, whatever alpha)."""
+    scaled_mm(a_g, b_g, alpha[g]) computes (a group of width 0 gives zeros, whatever alpha).
+    ``width_multiple``: every width is a multiple of it (checked in a list, trusted on the device;
+    with S too, for device widths, which the clamp at S must keep whole): the kernel then loads
+    the masked last block of a group in 16-byte vectors (wgrad's per-expert padding to 32 tokens;
+    with a mask it cannot prove whole, Triton loads one element at a time, 3-4x slower)."""
     _check(a, b, out_dtype, alpha)
     widths = _counts(widths, None, a.device, "widths")
     listed = isinstance(widths, list)
@@ -389,9 +399,12 @@ def contraction_grouped_mm(a: torch.Tensor, b: torch.Tensor, widths: Sequence[in
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     bm, bn, bk = _tile_shape() if interpreted else (_WGRAD_BM, _WGRAD_BN, _BK)
     if listed:
+        if any(w % width_multiple for w in widths):
+            raise ValueError(f"contraction_grouped_mm: widths {widths} are not all multiples of {width_multiple}")
         starts = [0, *itertools.accumulate(widths)][:-1]
         segments = torch.tensor([starts, widths], dtype=torch.int32).to(a.device, non_blocking=True)
         even_k = all(w % bk == 0 for w in widths)
+        width_multiple = math.gcd(bk, *widths)  # (0 for no widths: reads nothing)
     else:  # on the device, clamped to the columns as _device_tiles clamps rows
         starts, ends = _device_edges(widths, a.shape[1])
         segments = torch.stack([starts, ends - starts]).to(torch.int32)
@@ -400,7 +413,7 @@ def contraction_grouped_mm(a: torch.Tensor, b: torch.Tensor, widths: Sequence[in
     _contraction_grouped_kernel[grid](a, b, out, alpha.reshape(-1).contiguous(), segments[0], segments[1], m, n,
                                       a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0),
                                       out.stride(1), out.stride(2), BF16_OUT=out_dtype == torch.bfloat16,
-                                      EVEN_K=even_k, DOT_F32=interpreted,
+                                      EVEN_K=even_k, DOT_F32=interpreted, K_MULTIPLE=math.gcd(bk, width_multiple),
                                       BM=bm, BN=bn, BK=bk, num_warps=_WGRAD_WARPS, num_stages=_WGRAD_STAGES)
     # a group of width 0 gives zeros, as scaled_mm at K = 0 (not alpha * 0: inf * 0)
     if listed:

@@ -151,15 +151,11 @@ class Call:
         does not apply (statistics, dither, 16x16 blocks, a rotated rows copy, a rotation the
         quantizer does not fuse, two formats) and the caller quantizes each on its own; also None
         under FP4LAB_PAIR=0, one copy at a time by choice (the same bytes: a fallback, not a recipe)."""
-        if os.environ.get("FP4LAB_PAIR", "1").lower() in ("0", "false", "off", "no"):
+        if self.stats is not None or not pair_applies(self.recipe, t, rows, columns):
             return None
         (gr, sr), (gc, sc) = rows, columns
         op_r, op_c = getattr(self.recipe.gemm(gr), sr), getattr(self.recipe.gemm(gc), sc)
         rotation = self.rotation(gc)
-        if (self.stats is not None or t.dim() != 2 or not (op_r.quantized and op_c.quantized)
-                or op_r.format is not op_c.format or op_r.block2d or op_c.block2d or op_r.dither or op_c.dither
-                or self.recipe.gemm(gr).rotated or (rotation is not None and not fuses_rotation(op_c, rotation))):
-            return None
         return kernels.quantize_values_pair(
             t, op_r.format, rows=dict(rounding=op_r.rounding, seed=self.seed(gr, sr), **operand_knobs(op_r)),
             columns=dict(rounding=op_c.rounding, seed=self.seed(gc, sc), **operand_knobs(op_c, rotation)),
@@ -179,6 +175,29 @@ class Call:
         f, d = self.recipe.fprop, self.recipe.dgrad
         return (f.b == d.b and f.b.block2d and f.b.rounding is Rounding.RTNE and not f.rotated and not d.rotated
                 and d.a.quantized and self.stats is None)
+
+
+def pair_applies(recipe: Recipe, t: torch.Tensor, rows: tuple[str, str], columns: tuple[str, str]) -> bool:
+    """Call.operand_pair's rule, from the recipe and t's rank alone (no seeds drawn): both copies
+    quantized in one format, 1-row blocks, no dither, the rows copy unrotated and the columns
+    copy's rotation one its quantizer fuses; not under FP4LAB_PAIR=0."""
+    if os.environ.get("FP4LAB_PAIR", "1").lower() in ("0", "false", "off", "no"):
+        return False
+    (gr, sr), (gc, sc) = rows, columns
+    op_r, op_c = getattr(recipe.gemm(gr), sr), getattr(recipe.gemm(gc), sc)
+    rotation = rotation_for(recipe.gemm(gc), recipe.seed, 0)  # its size and signs' rule (the seed decides neither)
+    return not (t.dim() != 2 or not (op_r.quantized and op_c.quantized) or op_r.format is not op_c.format
+                or op_r.block2d or op_c.block2d or op_r.dither or op_c.dither or recipe.gemm(gr).rotated
+                or (rotation is not None and not fuses_rotation(op_c, rotation)))
+
+
+def keeps_x_wgrad(recipe: Recipe, x: torch.Tensor, grouped: bool, keep_x: bool) -> bool:
+    """Whether gemms_forward(..., keep_x=keep_x) under ``recipe`` at any progress returns wgrad's
+    copy of x (``x_wgrad``): a dense layer whose fprop and wgrad are emulated and whose two copies
+    of x pair (pair_applies), under a recipe that stays itself all run (no ``bf16_after``).
+    What the custom ops decide their outputs by before running (nn.ops)."""
+    return (keep_x and not grouped and recipe.bf16_after is None and recipe.fprop.emulated and recipe.wgrad.emulated
+            and pair_applies(recipe, x, ("fprop", "a"), ("wgrad", "b")))
 
 
 def capturing() -> bool:

@@ -5,8 +5,15 @@ values) that dynamo cannot put in a graph, so a compiled FP4 model used to break
 every FP4 layer. Here the same two halves, ``gemms_forward`` and ``gemms_backward``, run inside
 two opaque ops whose arguments are all graph-friendly:
 
-    fp4lab::gemms           (x, weight, bias, sizes, counts, layers, recipe, clock, rank, seeds, grouped) -> y
-    fp4lab::gemms_backward  (dy, x, weight, ...same..., need_dx, need_dw) -> (dx, dw)
+    fp4lab::gemms           (x, weight, bias, sizes, counts, layers, recipe, clock, rank, seeds, grouped,
+                             keep_x) -> (y, x_wgrad, x_wgrad_scale)
+    fp4lab::gemms_backward  (dy, x, weight, ...same..., need_dx, need_dw, x_wgrad, x_wgrad_scale) -> (dx, dw)
+
+With ``keep_x`` (a weight gradient follows), a dense layer whose two copies of x pair
+(gemms.keeps_x_wgrad, decided from the recipe before the op runs: an op's outputs cannot depend
+on what it finds) returns wgrad's copy of x, made in the read that made fprop's, as eager does:
+its block values [K, rows padded to 32] and tensor scale (empty tensors where none), saved for
+the backward in place of x (which then travels as a one-element stand-in of its shape).
 
 ``counts``, where given, are a grouped call's row counts as a device tensor (``sizes`` is then
 empty): the routing's counts never read on the host, so a compiled MoE block is one graph and a
@@ -22,7 +29,7 @@ CUDA graph around the compiled step draws each step's bits), ``clock`` the Quant
 guard on, so the compiled graph serves every step without recompiling. Each op rebuilds the Calls
 from them (gemms.call_at), so its results are bit-identical to the eager path's (tested).
 
-Differences from the eager path, both costs rather than results: dgrad quantizes the weight again
+Differences from the eager path, costs rather than results: dgrad quantizes the weight again
 where eager multiplies fprop's block values transposed (the same values, tested in nn.gemms; an
 MoE projection makes fprop's tiles of every expert again in one launch and transposes them,
 where each expert's weight quantized alone cost two launches an expert), and a dithered weight
@@ -43,7 +50,9 @@ from __future__ import annotations
 
 import torch
 
-from .gemms import QuantContext, call_at, capturing, gemms_backward, gemms_forward
+from ..kernels import BlockValues
+from .gemms import (WGRAD_ROW_MULTIPLE, QuantContext, call_at, capturing, gemms_backward, gemms_forward,
+                    keeps_x_wgrad)
 from .recipe import Recipe
 from .seeds import table_at
 
@@ -126,10 +135,20 @@ def _calls(layers: torch.Tensor, recipe: int, clock: torch.Tensor, rank: int, se
 @torch.library.custom_op("fp4lab::gemms", mutates_args=())
 def _gemms(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int],
            counts: torch.Tensor | None, layers: torch.Tensor, recipe: int, clock: torch.Tensor, rank: int, seeds: int,
-           grouped: bool) -> torch.Tensor:
-    y, _ = gemms_forward(x, weight, bias, _sizes_or_counts(sizes, counts), _calls(layers, recipe, clock, rank, seeds),
-                         grouped)
-    return y
+           grouped: bool, keep_x: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    keep = keeps_x_wgrad(registered_recipe(recipe), x, grouped, keep_x)
+    y, saved = gemms_forward(x, weight, bias, _sizes_or_counts(sizes, counts), _calls(layers, recipe, clock, rank, seeds),
+                             grouped, keep_x=keep)
+    if not keep:
+        return y, *_no_x_wgrad(x)
+    xw = saved.get("x_wgrad")
+    if xw is None:  # keeps_x_wgrad and gemms_forward disagree: a bug, never a silent fallback
+        raise RuntimeError("fp4lab::gemms: gemms.keeps_x_wgrad promised wgrad's copy of x and gemms_forward made none")
+    return y, xw.values, (xw.tensor_scale if xw.tensor_scale is not None else x.new_empty(0, dtype=torch.float32))
+
+
+def _no_x_wgrad(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return x.new_empty(0, dtype=torch.bfloat16), x.new_empty(0, dtype=torch.float32)
 
 
 def _sizes_or_counts(sizes: list[int], counts: torch.Tensor | None) -> list[int] | torch.Tensor:
@@ -137,42 +156,62 @@ def _sizes_or_counts(sizes: list[int], counts: torch.Tensor | None) -> list[int]
 
 
 @_gemms.register_fake
-def _(x, weight, bias, sizes, counts, layers, recipe, clock, rank, seeds, grouped):
-    return x.new_empty(x.shape[0], weight.shape[1])
+def _(x, weight, bias, sizes, counts, layers, recipe, clock, rank, seeds, grouped, keep_x):
+    y = x.new_empty(x.shape[0], weight.shape[1])
+    r = registered_recipe(recipe)
+    if not keeps_x_wgrad(r, x, grouped, keep_x):
+        return y, *_no_x_wgrad(x)
+    rows = x.shape[0] + (-x.shape[0] % WGRAD_ROW_MULTIPLE)
+    scale = x.new_empty((), dtype=torch.float32) if r.wgrad.b.format.spec.tensor_scale else x.new_empty(
+        0, dtype=torch.float32)
+    return y, x.new_empty(x.shape[1], rows, dtype=torch.bfloat16), scale
 
 
 @torch.library.custom_op("fp4lab::gemms_backward", mutates_args=())
 def _gemms_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, sizes: list[int],
                     counts: torch.Tensor | None, layers: torch.Tensor, recipe: int, clock: torch.Tensor, rank: int,
-                    seeds: int, grouped: bool, need_dx: bool, need_dw: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                    seeds: int, grouped: bool, need_dx: bool, need_dw: bool, x_wgrad: torch.Tensor,
+                    x_wgrad_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    saved = None
+    if x_wgrad.numel():  # wgrad's copy of x, made by the forward op
+        scale = x_wgrad_scale if x_wgrad_scale.numel() else None
+        saved = {"x_wgrad": BlockValues(x_wgrad, scale, x.shape[1], registered_recipe(recipe).wgrad.b.format)}
     dx, dw = gemms_backward(dy, x, weight, _sizes_or_counts(sizes, counts), _calls(layers, recipe, clock, rank, seeds),
-                            grouped, need_dx=need_dx, need_dw=need_dw)
+                            grouped, need_dx=need_dx, need_dw=need_dw, saved=saved)
     # an op returns tensors, never None: an empty one stands for a gradient not asked for
     return (dx if dx is not None else x.new_empty(0)), (dw if dw is not None else weight.new_empty(0))
 
 
 @_gemms_backward.register_fake
-def _(dy, x, weight, sizes, counts, layers, recipe, clock, rank, seeds, grouped, need_dx, need_dw):
-    return (torch.empty_like(x) if need_dx else x.new_empty(0)), (torch.empty_like(weight) if need_dw
-                                                                   else weight.new_empty(0))
+def _(dy, x, weight, sizes, counts, layers, recipe, clock, rank, seeds, grouped, need_dx, need_dw, x_wgrad,
+      x_wgrad_scale):
+    return (torch.empty_like(x, memory_format=torch.contiguous_format) if need_dx else x.new_empty(0)), (
+        torch.empty_like(weight) if need_dw else weight.new_empty(0))
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    x, weight, bias, sizes, counts, layers, recipe, clock, rank, seeds, grouped = inputs
+    x, weight, bias, sizes, counts, layers, recipe, clock, rank, seeds, grouped, keep_x = inputs
+    _, x_wgrad, x_wgrad_scale = output
+    # with wgrad's copy of x kept, backward needs x's shape alone: a one-element stand-in is saved
+    kept = x_wgrad.numel() > 0
+    x_saved = x.new_zeros(1) if kept else x
     # the trainer may move the clock before backward; counts (None: sizes) ride along as a tensor
-    ctx.save_for_backward(x, weight, clock.clone(), layers, counts)
+    ctx.save_for_backward(x_saved, weight, clock.clone(), layers, counts, x_wgrad, x_wgrad_scale)
+    ctx.x_shape = tuple(x.shape) if kept else None
     ctx.args = (sizes, recipe, rank, seeds, grouped)
     ctx.has_bias = bias is not None
 
 
-def _backward(ctx, dy: torch.Tensor):
-    x, weight, clock, layers, counts = ctx.saved_tensors
+def _backward(ctx, dy: torch.Tensor, *unused):
+    x, weight, clock, layers, counts, x_wgrad, x_wgrad_scale = ctx.saved_tensors
+    if ctx.x_shape is not None:
+        x = x.expand(ctx.x_shape)
     sizes, recipe, rank, seeds, grouped = ctx.args
     need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     dx, dw = torch.ops.fp4lab.gemms_backward(dy, x, weight, sizes, counts, layers, recipe, clock, rank, seeds,
-                                             grouped, need_dx, need_dw)
+                                             grouped, need_dx, need_dw, x_wgrad, x_wgrad_scale)
     db = dy.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-    return (dx if need_dx else None), (dw if need_dw else None), db, *[None] * 8
+    return (dx if need_dx else None), (dw if need_dw else None), db, *[None] * 9
 
 
 _gemms.register_autograd(_backward, setup_context=_setup_context)
@@ -190,4 +229,6 @@ def fp4_gemms_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     seeds = -1 if context.seeds is None else context.seeds.index
     counts, sizes = (sizes, []) if isinstance(sizes, torch.Tensor) else (None, list(sizes))
     index = recipe if isinstance(recipe, int) else recipe_index(recipe)
-    return _gemms(x, weight, bias, sizes, counts, layers, index, context.clock, context.rank, seeds, grouped)
+    keep_x = torch.is_grad_enabled() and weight.requires_grad  # (the eager path: training and dW asked for)
+    return _gemms(x, weight, bias, sizes, counts, layers, index, context.clock, context.rank, seeds, grouped,
+                  keep_x)[0]

@@ -94,10 +94,12 @@ def test_the_ops_equal_the_autograd_function_bit_for_bit(grouped, sizes, backend
     names = [f"e.{i}" for i in range(len(sizes))]
     recipe = nvfp4()
     per_expert_dgrad_weights = []  # Call.operand of dgrad's weight: the path the grouped launch replaces
+    x_for_wgrad = []  # Call.operand of wgrad's x: what a dense layer's forward already made (the pair)
     operand = G.Call.operand
     monkeypatch.setattr(G.Call, "operand", lambda self, t, axis, gemm, side, **kw: (
         per_expert_dgrad_weights.append(1) if (gemm, side) == ("dgrad", "b") else None,
-        operand(self, t, axis, gemm, side, **kw))[1])
+        x_for_wgrad.append(1) if (gemm, side) == ("wgrad", "b") else None,
+        operand(self, t, axis, gemm, side, **kw))[-1])
     results = []
     for path in ("function", "op"):
         if path == "function":
@@ -110,6 +112,24 @@ def test_the_ops_equal_the_autograd_function_bit_for_bit(grouped, sizes, backend
         assert torch.equal(a, b)
     if backend == "triton":  # neither path quantized an expert's dgrad weight on its own
         assert not per_expert_dgrad_weights
+    if not grouped:  # the op, like the function, kept wgrad's copy of x from the forward's read
+        assert not x_for_wgrad
+
+
+@pytest.mark.parametrize("recipe_name,keeps", [("nvfp4", True), ("bf16", False), ("mxfp4", True)])
+def test_the_forward_ops_outputs_are_what_its_fake_says(recipe_name, keeps):
+    """torch.library.opcheck: the fake (what a compiled graph plans for) gives the real op's
+    outputs' shapes and dtypes, wgrad's copy of x included where gemms.keeps_x_wgrad says."""
+    from fp4lab.nn.ops import recipe_index
+    recipe = preset(recipe_name)
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(40, 64, generator=g), torch.randn(1, 48, 64, generator=g)
+    layers = torch.tensor([layer_key("a")])
+    args = (x, w, None, [40], None, layers, recipe_index(recipe), QuantContext().clock, 0, -1, False, True)
+    torch.library.opcheck(torch.ops.fp4lab.gemms.default, args, test_utils=("test_schema", "test_faketensor"))
+    _, xw, scale = torch.ops.fp4lab.gemms(*args)
+    assert xw.shape == ((64, 64) if keeps else (0,)) and xw.dtype == torch.bfloat16
+    assert scale.shape == (() if recipe_name == "nvfp4" else (0,))
 
 
 def test_a_compiled_moe_model_gives_the_eager_results():
