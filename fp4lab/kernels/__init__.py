@@ -330,8 +330,9 @@ def contraction_grouped_values_mm(a: list[BlockValues] | GroupedValues, b: list[
         if uses_triton(a.values, backend) and out_dtype in (torch.float32, torch.bfloat16):
             from .matmul import contraction_grouped_mm
             from .quantize import COL_GROUP_WIDTH
-            # column groups are whole column tiles of the quantize (device widths too: trusted there)
-            multiple = COL_GROUP_WIDTH if a.values.shape[1] % COL_GROUP_WIDTH == 0 else 1
+            # device widths are whole column tiles of the grouped quantize (trusted, as the counts
+            # are); listed ones the launcher measures itself
+            multiple = COL_GROUP_WIDTH if a.on_device and a.values.shape[1] % COL_GROUP_WIDTH == 0 else 1
             return contraction_grouped_mm(a.values, b.values, a.sizes, _alphas(a, b), out_dtype=out_dtype,
                                           width_multiple=multiple)
     a, b = _groups(a), _groups(b)

@@ -435,18 +435,25 @@ def _quantize_tile(x, rows, local, col_base, group, amax_at, seed_of, lp_of, cod
         # product of a 2-bit grid value and an E4M3 / UE8M0 scale is exact in fp32 and in bf16 (or
         # overflows to Inf in both), so its fp32 bits' top half is the bf16; a poisoned block is NaN.
         # |clamp(x e_b, -6, 6)| is min(|x| e_b, 6) (rounding is sign-symmetric); the sign is x's (e_b > 0)
-        mag = tl.minimum(tl.abs(x) * e_b[:, :, None], 6.0)
+        product = tl.abs(x) * e_b[:, :, None]
+        mag = tl.minimum(product, 6.0)  # (a NaN product, 0 * Inf, gives 6: the reference's code 7)
+        sign = x.to(tl.int32, bitcast=True) & -0x80000000
+        if SCALE_RULE == NV_TORCHAO:  # the one rule whose e_b may be Inf (amax below ~5e-34): the
+            sign = tl.where(product != product, 0, sign)  # reference encodes 0 * Inf as +6, whatever 0's sign
         if STOCHASTIC:
             q = e2m1_stochastic_value(mag, rand)
         else:
             q = e2m1_rtne_value(mag)
         bits = (q * scale_value(sbyte, NVFP4)[:, :, None]).to(tl.int32, bitcast=True)
-        bits = tl.where(bad[:, :, None] > 0, 0x7FC00000, bits | (x.to(tl.int32, bitcast=True) & -0x80000000))
+        bits = tl.where(bad[:, :, None] > 0, 0x7FC00000, bits | sign)
         vcols = pid_c * BC + tl.arange(0, BC)
         tl.store(codes_ptr + rows[:, None] * LP + vcols[None, :], tl.reshape(bits >> 16, (BR, BC)).to(tl.int16),
                  mask=keep & (vcols[None, :] < LP))
     else:
         v = tl.minimum(tl.maximum(x * e_b[:, :, None], -6.0), 6.0)
+        if SCALE_RULE == NV_TORCHAO:  # 0 * Inf e_b: NaN, which max/min would make -6; the reference's +6
+            p = x * e_b[:, :, None]
+            v = tl.where(p != p, 6.0, v)
         vbits = v.to(tl.int32, bitcast=True)
         mag = (vbits & 0x7FFFFFFF).to(tl.float32, bitcast=True)
         if STOCHASTIC:

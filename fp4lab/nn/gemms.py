@@ -151,7 +151,8 @@ class Call:
         does not apply (statistics, dither, 16x16 blocks, a rotated rows copy, a rotation the
         quantizer does not fuse, two formats) and the caller quantizes each on its own; also None
         under FP4LAB_PAIR=0, one copy at a time by choice (the same bytes: a fallback, not a recipe)."""
-        if self.stats is not None or not pair_applies(self.recipe, t, rows, columns):
+        if (self.stats is not None or os.environ.get("FP4LAB_PAIR", "1").lower() in ("0", "false", "off", "no")
+                or not pair_applies(self.recipe, t, rows, columns)):
             return None
         (gr, sr), (gc, sc) = rows, columns
         op_r, op_c = getattr(self.recipe.gemm(gr), sr), getattr(self.recipe.gemm(gc), sc)
@@ -178,11 +179,9 @@ class Call:
 
 
 def pair_applies(recipe: Recipe, t: torch.Tensor, rows: tuple[str, str], columns: tuple[str, str]) -> bool:
-    """Call.operand_pair's rule, from the recipe and t's rank alone (no seeds drawn): both copies
-    quantized in one format, 1-row blocks, no dither, the rows copy unrotated and the columns
-    copy's rotation one its quantizer fuses; not under FP4LAB_PAIR=0."""
-    if os.environ.get("FP4LAB_PAIR", "1").lower() in ("0", "false", "off", "no"):
-        return False
+    """Call.operand_pair's rule, from the recipe and t's rank alone (no seeds drawn, no
+    environment read): both copies quantized in one format, 1-row blocks, no dither, the rows copy
+    unrotated and the columns copy's rotation one its quantizer fuses."""
     (gr, sr), (gc, sc) = rows, columns
     op_r, op_c = getattr(recipe.gemm(gr), sr), getattr(recipe.gemm(gc), sc)
     rotation = rotation_for(recipe.gemm(gc), recipe.seed, 0)  # its size and signs' rule (the seed decides neither)
@@ -192,12 +191,19 @@ def pair_applies(recipe: Recipe, t: torch.Tensor, rows: tuple[str, str], columns
 
 
 def keeps_x_wgrad(recipe: Recipe, x: torch.Tensor, grouped: bool, keep_x: bool) -> bool:
-    """Whether gemms_forward(..., keep_x=keep_x) under ``recipe`` at any progress returns wgrad's
-    copy of x (``x_wgrad``): a dense layer whose fprop and wgrad are emulated and whose two copies
-    of x pair (pair_applies), under a recipe that stays itself all run (no ``bf16_after``).
-    What the custom ops decide their outputs by before running (nn.ops)."""
+    """Whether a dense layer's forward under ``recipe`` (at any progress) makes wgrad's copy of x
+    for its backward: fprop and wgrad emulated, the two copies of x pairing (pair_applies), a
+    recipe that stays itself all run (no ``bf16_after``). What the custom ops decide their outputs
+    by before running (nn.ops): from the recipe and the arguments alone, so a compiled graph's plan
+    holds whatever the environment says later (FP4LAB_PAIR=0 makes the copy apart, the same bytes:
+    x_wgrad_operand)."""
     return (keep_x and not grouped and recipe.bf16_after is None and recipe.fprop.emulated and recipe.wgrad.emulated
             and pair_applies(recipe, x, ("fprop", "a"), ("wgrad", "b")))
+
+
+def x_wgrad_operand(x: torch.Tensor, call: Call) -> BlockValues:
+    """wgrad's copy of a dense layer's x made on its own: what the pair's columns copy holds."""
+    return call.operand(_pad_rows(x), 0, "wgrad", "b")
 
 
 def capturing() -> bool:

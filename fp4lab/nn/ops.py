@@ -52,7 +52,7 @@ import torch
 
 from ..kernels import BlockValues
 from .gemms import (WGRAD_ROW_MULTIPLE, QuantContext, call_at, capturing, gemms_backward, gemms_forward,
-                    keeps_x_wgrad)
+                    keeps_x_wgrad, x_wgrad_operand)
 from .recipe import Recipe
 from .seeds import table_at
 
@@ -137,13 +137,12 @@ def _gemms(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, siz
            counts: torch.Tensor | None, layers: torch.Tensor, recipe: int, clock: torch.Tensor, rank: int, seeds: int,
            grouped: bool, keep_x: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     keep = keeps_x_wgrad(registered_recipe(recipe), x, grouped, keep_x)
-    y, saved = gemms_forward(x, weight, bias, _sizes_or_counts(sizes, counts), _calls(layers, recipe, clock, rank, seeds),
-                             grouped, keep_x=keep)
+    calls = _calls(layers, recipe, clock, rank, seeds)
+    y, saved = gemms_forward(x, weight, bias, _sizes_or_counts(sizes, counts), calls, grouped, keep_x=keep)
     if not keep:
         return y, *_no_x_wgrad(x)
-    xw = saved.get("x_wgrad")
-    if xw is None:  # keeps_x_wgrad and gemms_forward disagree: a bug, never a silent fallback
-        raise RuntimeError("fp4lab::gemms: gemms.keeps_x_wgrad promised wgrad's copy of x and gemms_forward made none")
+    # made in fprop's read, or (the pair switched off since the graph was planned) on its own
+    xw = saved.get("x_wgrad") or x_wgrad_operand(x, calls[0])
     return y, xw.values, (xw.tensor_scale if xw.tensor_scale is not None else x.new_empty(0, dtype=torch.float32))
 
 
@@ -195,6 +194,7 @@ def _setup_context(ctx, inputs, output) -> None:
     # with wgrad's copy of x kept, backward needs x's shape alone: a one-element stand-in is saved
     kept = x_wgrad.numel() > 0
     x_saved = x.new_zeros(1) if kept else x
+    ctx.mark_non_differentiable(x_wgrad, x_wgrad_scale)  # (no zero gradients made for them)
     # the trainer may move the clock before backward; counts (None: sizes) ride along as a tensor
     ctx.save_for_backward(x_saved, weight, clock.clone(), layers, counts, x_wgrad, x_wgrad_scale)
     ctx.x_shape = tuple(x.shape) if kept else None

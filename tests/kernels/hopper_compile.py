@@ -100,8 +100,11 @@ def exercise() -> None:
     a, b = torch.randn(64, 64, generator=g).bfloat16(), torch.randn(64, 64, generator=g).bfloat16()
     _try(matmul.scaled_mm, a, b, torch.ones(()), out_dtype=torch.bfloat16)
     _try(matmul.grouped_scaled_mm, a, torch.stack([b, b]), [32, 32], torch.ones(2), out_dtype=torch.float32)
+    # the routing's counts kept on the device (a captured step): the tile list made by a kernel
+    _try(matmul.grouped_scaled_mm, a, torch.stack([b, b]), torch.tensor([32, 32]), torch.ones(2))
     for dtype in (torch.float32, torch.bfloat16):  # every expert's wgrad, each over its own tokens
         _try(matmul.contraction_grouped_mm, a, b, [32, 0, 32], torch.ones(3), out_dtype=dtype)
+    _try(matmul.contraction_grouped_mm, a, b, torch.tensor([32, 0, 32]), torch.ones(3), width_multiple=32)
 
 
 def _decode_and_gemm(x, decode, gemm):

@@ -200,6 +200,25 @@ def test_a_device_tile_list_is_the_host_list_then_empty_tiles(sizes, bm):
     assert bool((d_row[live:] >= d_end[d_group[live:].long()]).all())
 
 
+@settings(max_examples=100, deadline=None)
+@given(sizes=st.lists(st.integers(-40, 200), min_size=1, max_size=6), rows=st.integers(1, 300),
+       bm=st.sampled_from([16, 32, 256]))
+def test_a_device_tile_list_from_wrong_counts_stays_inside_the_rows(sizes, rows, bm):
+    """Counts that do not sum to the rows (negative, too many: a bug upstream) are clamped: every
+    group end and every tile's row range lies inside the rows, and the live tiles are the host
+    list's for the clamped sizes."""
+    group, row, end = matmul._device_tiles(torch.tensor(sizes), rows, bm)
+    clamped, left = [], rows
+    for size in sizes:
+        clamped.append(min(max(size, 0), left))
+        left -= clamped[-1]
+    h_group, h_row, h_end = matmul._host_tiles(clamped, bm, torch.device("cpu"))
+    live = h_group.numel()
+    assert torch.equal(end, h_end) and bool((end <= rows).all()) and bool((row <= rows).all())
+    assert torch.equal(group[:live], h_group) and torch.equal(row[:live], h_row)
+    assert bool((row[live:] >= end[group[live:].long()]).all())
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_grouped_gemms_on_device_counts_are_captured_and_replay_new_counts():
     """Captured once, the launches replay with other counts written into the same tensor (the

@@ -132,6 +132,21 @@ def test_block_values_in_the_quantize_pass_match_reference(kwargs, dtype):
                        kernels.BlockValues.of(formats.quantize_nvfp4(x, **kwargs)))
 
 
+@pytest.mark.parametrize("kwargs", [dict(), dict(rounding="stochastic", seed=4)], ids=str)
+def test_torchao_at_a_tiny_amax_matches_reference(kwargs):
+    """torchao's e_b = (1 / S_dec) / s_b is not clamped: below an amax of ~5e-34 it is Inf, and a
+    zero element (signed, or the padding) gives 0 * Inf = NaN, which the reference encodes as +6.
+    The codes and the block values say the same, for +0 and -0."""
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(16, 72, generator=g) * 1e-36
+    x[:, ::5], x[:, 1::7] = 0.0, -0.0
+    x[:8, 16:32], x[8:, 16:32] = 0.0, -0.0  # whole blocks of zeros: s_b = 2^-6, e_b = Inf
+    kw = dict(profile="torchao", pad=True, **kwargs)
+    assert_same(kernels.quantize_nvfp4(x.to(DEVICE), backend="triton", **kw), formats.quantize_nvfp4(x, **kw))
+    assert_same_values(kernels.quantize_values(x.to(DEVICE), "nvfp4", backend="triton", **kw),
+                       kernels.BlockValues.of(formats.quantize_nvfp4(x, **kw)))
+
+
 @pytest.mark.parametrize("mode", ["floor", "rceil"])
 @pytest.mark.parametrize("kwargs", [dict(), dict(axis=0, rounding="stochastic", seed=5)], ids=str)
 def test_mxfp4_block_values_match_reference(mode, kwargs):

@@ -56,6 +56,21 @@ def test_a_compiled_fp4_model_is_one_graph_with_the_eager_results_at_every_step(
             assert torch.equal(got[1][name], want[1][name]), (tick, name)
 
 
+def test_switching_the_pair_off_after_compiling_keeps_the_compiled_graphs_plan(monkeypatch):
+    """The forward op's outputs (wgrad's copy of x, or none) are planned when the graph is traced;
+    FP4LAB_PAIR=0 set afterwards makes that copy on its own (the same bytes), not a missing one."""
+    torch._dynamo.reset()
+    model = _model("nvfp4")
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    _loss_and_grads(model, compiled, 0)  # traced with the pair on
+    monkeypatch.setenv("FP4LAB_PAIR", "0")
+    want = _loss_and_grads(model, model, 1)
+    got = _loss_and_grads(model, compiled, 1)
+    assert torch.equal(got[0], want[0])
+    for name in want[1]:
+        assert torch.equal(got[1][name], want[1][name]), name
+
+
 def test_different_ticks_give_different_gradients_through_the_ops():
     # the clock tensor really reaches the op: otherwise every step would replay tick 0's noise
     model = _model("nvfp4")
