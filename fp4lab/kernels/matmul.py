@@ -318,59 +318,23 @@ def _device_tiles(sizes: torch.Tensor, rows: int, bm: int) -> tuple[torch.Tensor
     to the first group whose tiles end past t; a tile past the last live one gets group G - 1 and
     an empty range (first row = the group's end). Sizes are clamped to the rows, so a wrong
     count cannot make the kernel read outside a."""
-    n_tiles = (rows + sizes.numel() * (bm - 1)) // bm
-    out = _device_bookkeeping(sizes, rows, bm, n_tiles)
-    return out[:n_tiles], out[n_tiles:2 * n_tiles], out[2 * n_tiles:2 * n_tiles + sizes.numel()]
-
-
-def _device_segments(counts: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(starts, widths) int32 of groups of ``counts`` back to back, on the device: negative counts
-    read as 0 and the ends stop at ``total``, so a wrong count never reads past the operand."""
-    g = counts.numel()
-    out = _device_bookkeeping(counts, total, 1, 0)
-    return out[g:2 * g], out[2 * g:]
-
-
-def _device_bookkeeping(sizes: torch.Tensor, rows: int, bm: int, n_tiles: int) -> torch.Tensor:
-    """[tile group (n_tiles), tile first row (n_tiles), group end, start, size (G each)] int32 in
-    one launch (_device_tiles_kernel), where the same arrays in torch operations took a dozen small
-    kernels before each grouped GEMM of every step."""
     g = sizes.numel()
-    out = torch.empty(2 * n_tiles + 3 * g, dtype=torch.int32, device=sizes.device)
-    _device_tiles_kernel[(1,)](sizes, out, g, rows, n_tiles, BM=bm, GP=triton.next_power_of_2(max(g, 2)), BT=128)
-    return out
+    starts, ends = _device_edges(sizes, rows)
+    sizes = ends - starts
+    per = (sizes + bm - 1) // bm
+    tiles_end = per.cumsum(0)
+    t = torch.arange((rows + g * (bm - 1)) // bm, device=sizes.device)
+    group = torch.searchsorted(tiles_end, t, right=True).clamp_max(g - 1)
+    row = starts[group] + (t - tiles_end[group] + per[group]) * bm
+    row = torch.where(t < tiles_end[-1], row, ends[-1])
+    return group.to(torch.int32), row.to(torch.int32), ends.to(torch.int32)
 
 
-@triton.jit
-def _device_tiles_kernel(sizes_ptr, out_ptr, G, ROWS, N_TILES, BM: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr):
-    """One program: the G sizes, clamped to >= 0 and their running ends to ROWS -> out (int32) =
-    [tile group (N_TILES), tile first row (N_TILES), group end, group start, clamped size (G each)]:
-    _device_tiles says what the tiles are."""
-    gi = tl.arange(0, GP)
-    real = gi < G
-    size = tl.maximum(tl.load(sizes_ptr + gi, mask=real, other=0).to(tl.int64), 0)
-    run = tl.cumsum(size, 0)
-    ends = tl.minimum(run, ROWS)
-    starts = tl.minimum(run - size, ROWS)
-    per = (ends - starts + BM - 1) // BM
-    tiles_end = tl.cumsum(per, 0)
-    live_tiles = tl.max(tl.where(real, tiles_end, 0))
-    last_end = tl.max(tl.where(real, ends, 0))
-    edges = out_ptr + 2 * N_TILES + gi
-    tl.store(edges, ends.to(tl.int32), mask=real)
-    tl.store(edges + G, starts.to(tl.int32), mask=real)
-    tl.store(edges + 2 * G, (ends - starts).to(tl.int32), mask=real)
-    for t0 in range(0, N_TILES, BT):
-        t = t0 + tl.arange(0, BT).to(tl.int64)
-        # the first group whose tiles end past t (searchsorted, right), clamped to the last group
-        group = tl.minimum(tl.sum(((tiles_end[None, :] <= t[:, None]) & real[None, :]).to(tl.int64), axis=1), G - 1)
-        pick = gi[None, :] == group[:, None]
-        start = tl.sum(tl.where(pick, starts[None, :], 0), axis=1)
-        first = tl.sum(tl.where(pick, tiles_end[None, :] - per[None, :], 0), axis=1)  # the group's first tile
-        row = tl.where(t < live_tiles, start + (t - first) * BM, last_end)
-        keep = t < N_TILES
-        tl.store(out_ptr + t, group.to(tl.int32), mask=keep)
-        tl.store(out_ptr + N_TILES + t, row.to(tl.int32), mask=keep)
+def _device_edges(counts: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(starts, ends) int64 of groups of ``counts`` back to back, on the device: negative counts
+    read as 0 and the ends stop at ``total``, so a wrong count never reads past the operand."""
+    ends = counts.to(torch.int64).clamp_min(0).cumsum(0).clamp_max(total)
+    return torch.cat([ends.new_zeros(1), ends[:-1]]), ends
 
 
 def _counts(sizes, groups: int | None, device: torch.device, what: str) -> list[int] | torch.Tensor:
@@ -442,7 +406,8 @@ def contraction_grouped_mm(a: torch.Tensor, b: torch.Tensor, widths: Sequence[in
         even_k = all(w % bk == 0 for w in widths)
         width_multiple = math.gcd(bk, *widths)  # (bk for no widths, or all widths multiples of it)
     else:  # on the device, clamped to the columns as _device_tiles clamps rows
-        segments = _device_segments(widths, a.shape[1])
+        starts, ends = _device_edges(widths, a.shape[1])
+        segments = torch.stack([starts, ends - starts]).to(torch.int32)
         even_k = False  # unknown here; masks that are all true give the unmasked path's bits
     grid = (len(widths) * triton.cdiv(m, bm) * triton.cdiv(n, bn),)
     _contraction_grouped_kernel[grid](a, b, out, alpha.reshape(-1).contiguous(), segments[0], segments[1], m, n,
