@@ -217,9 +217,23 @@ def _rotated_part_bits(p, ROUND_BF16: tl.constexpr):
 
 @triton.jit
 def _rotated_finite_max_bits(x, seed, RULE: tl.constexpr, ROUND_BF16: tl.constexpr, BR: tl.constexpr,
-                             NB: tl.constexpr):
-    """_finite_max_bits(_hadamard(x, ..., N=16)) without putting the 16 positions back in order
-    (the max does not need it, and the joins cost layout changes)."""
+                             NB: tl.constexpr, N: tl.constexpr):
+    """x: [BR, NB, N] -> _finite_max_bits of x rotated as the rule says (NO_ROTATION: x itself). At
+    16 points the 16 positions are not put back in order (the max does not need it, and the joins
+    cost layout changes)."""
+    # one return after a constexpr if/else (the compiler goes on past a return in a constexpr branch)
+    if (RULE == NO_ROTATION) | (N != 16):
+        if RULE != NO_ROTATION:
+            x = _hadamard(x, seed, RULE, ROUND_BF16, BR, NB, N)
+        m = _finite_max_bits(x)
+    else:
+        m = _max_of_16_parts(x, seed, RULE, ROUND_BF16, BR, NB)
+    return m
+
+
+@triton.jit
+def _max_of_16_parts(x, seed, RULE: tl.constexpr, ROUND_BF16: tl.constexpr, BR: tl.constexpr, NB: tl.constexpr):
+    """The 16-point case of _rotated_finite_max_bits: the max over the butterfly's 16 positions."""
     p0, p1, p2, p3, p4, p5, p6, p7, p8, p9, p10, p11, p12, p13, p14, p15 = \
         _butterfly16_parts(_signed(x, seed, RULE, 16), BR, NB)
     m = tl.maximum(tl.maximum(tl.maximum(_rotated_part_bits(p0, ROUND_BF16), _rotated_part_bits(p1, ROUND_BF16)),
@@ -355,12 +369,7 @@ def _fp4_quantize_kernel(x_ptr, codes_ptr, scales_ptr, amax_ptr, s_dec_ptr, seed
     x = tl.reshape(widen(x, BF16_BITS), (BR, NB, BLOCK))
     if AMAX_ONLY:  # the first pass of a rotated quantize: the rotated tensor's finite amax (never asked
         # of row groups)
-        if (HADAMARD != NO_ROTATION) & (BLOCK == 16):
-            tl.atomic_max(amax_at, _rotated_finite_max_bits(x, h_seed, HADAMARD, BF16_BITS, BR, NB))
-        else:
-            if HADAMARD != NO_ROTATION:
-                x = _hadamard(x, h_seed, HADAMARD, BF16_BITS, BR, NB, BLOCK)
-            tl.atomic_max(amax_at, _finite_max_bits(x))
+        tl.atomic_max(amax_at, _rotated_finite_max_bits(x, h_seed, HADAMARD, BF16_BITS, BR, NB, BLOCK))
         return
     if HADAMARD != NO_ROTATION:
         x = _hadamard(x, h_seed, HADAMARD, BF16_BITS, BR, NB, BLOCK)
@@ -450,10 +459,10 @@ def _quantize_tile(x, rows, local, col_base, group, amax_at, seed_of, lp_of, cod
         tl.store(codes_ptr + rows[:, None] * LP + vcols[None, :], tl.reshape(bits >> 16, (BR, BC)).to(tl.int16),
                  mask=keep & (vcols[None, :] < LP))
     else:
-        v = tl.minimum(tl.maximum(x * e_b[:, :, None], -6.0), 6.0)
+        product = x * e_b[:, :, None]
+        v = tl.minimum(tl.maximum(product, -6.0), 6.0)
         if SCALE_RULE == NV_TORCHAO:  # 0 * Inf e_b: NaN, which max/min would make -6; the reference's +6
-            p = x * e_b[:, :, None]
-            v = tl.where(p != p, 6.0, v)
+            v = tl.where(product != product, 6.0, v)
         vbits = v.to(tl.int32, bitcast=True)
         mag = (vbits & 0x7FFFFFFF).to(tl.float32, bitcast=True)
         if STOCHASTIC:
@@ -497,12 +506,8 @@ def _fp4_pair_kernel(x_ptr, rows_ptr, cols_ptr, amax_ptr, s_dec_ptr, seed_r, see
     xc = tl.reshape(tl.trans(x), (BK, BM // BLOCK, BLOCK))
     if AMAX_ONLY:  # both tensor amaxes (finite values only) in one read
         tl.atomic_max(amax_ptr, _finite_max_bits(x))
-        if (HADAMARD_C != NO_ROTATION) & (BLOCK == 16):
-            tl.atomic_max(amax_ptr + 1, _rotated_finite_max_bits(xc, h_seed_c, HADAMARD_C, BF16_BITS, BK, BM // BLOCK))
-        else:
-            if HADAMARD_C != NO_ROTATION:
-                xc = _hadamard(xc, h_seed_c, HADAMARD_C, BF16_BITS, BK, BM // BLOCK, BLOCK)
-            tl.atomic_max(amax_ptr + 1, _finite_max_bits(xc))
+        tl.atomic_max(amax_ptr + 1, _rotated_finite_max_bits(xc, h_seed_c, HADAMARD_C, BF16_BITS, BK, BM // BLOCK,
+                                                             BLOCK))
     else:
         if HADAMARD_C != NO_ROTATION:
             xc = _hadamard(xc, h_seed_c, HADAMARD_C, BF16_BITS, BK, BM // BLOCK, BLOCK)

@@ -459,7 +459,7 @@ def gemms_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, size
         for g, dyg, xg in zip(live, dys, xs):
             if wgrad.emulated:  # (a dense layer's copies may come from the reads that served fprop and dgrad)
                 a = dy_pair[1] if dy_pair else calls[g].operand(_pad_rows(dyg), 0, "wgrad", "a")
-                b = saved.get("x_wgrad") or calls[g].operand(_pad_rows(xg), 0, "wgrad", "b")
+                b = saved.get("x_wgrad") or x_wgrad_operand(xg, calls[g])
                 dw_g = run_gemm(a, 0, b, 0, dy.dtype)
             else:
                 dw_g = dyg.t().mm(xg)
