@@ -35,7 +35,8 @@ import triton
 import triton.language as tl
 
 # compiled for a GPU (not run by Triton's interpreter): hardware conversions round as the spec does
-HARDWARE_BF16 = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
+# (bf16 and E4M3, nearest even); the interpreter's truncate, so it takes the integer forms
+HARDWARE_CONVERT = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 
 
 @triton.jit
@@ -61,10 +62,11 @@ def e2m1_stochastic(v, r):
 @triton.jit
 def e2m1_rtne_value(v):
     """v: fp32 magnitudes in [0, 6] -> fp32 e2m1_value(e2m1_rtne(v)): 0, .5, 1, 1.5, 2, 3, 4 or 6."""
-    bits = v.to(tl.int32, bitcast=True)
-    normal = ((bits + 0x1FFFFF + ((bits >> 22) & 1)) & -0x400000).to(tl.float32, bitcast=True)  # & 0xFFC00000
-    subnormal = tl.where(v >= 0.75, 1.0, tl.where(v > 0.25, 0.5, 0.0))
-    return tl.where(bits >= 0x3F800000, normal, subnormal)
+    # the grid's step is 0.5 below 2 (subnormals included), 1 in [2, 4) and 2 in [4, 6]: the step
+    # of fp32 at 2^22, 2^23 and 2^24, so adding that power of two rounds v to the grid, ties to
+    # even (an even fp32 significand there is an even code), and subtracting it is exact
+    c = (tl.maximum(v.to(tl.int32, bitcast=True) & 0x7F800000, 0x3F800000) + (22 << 23)).to(tl.float32, bitcast=True)
+    return (v + c) - c
 
 
 @triton.jit
@@ -81,7 +83,16 @@ def e2m1_stochastic_value(v, r):
 
 @triton.jit
 def e4m3_rtne(y):
-    """y: fp32 in [0, 448], finite -> int32 E4M3 bytes 0..0x7E (round to nearest even)."""
+    """y: fp32 in [0, 448], finite -> int32 E4M3 bytes 0..0x7E (round to nearest even). On a GPU
+    its conversion instruction (cvt.rn.satfinite.e4m3x2.f32); interpreted, the integer form."""
+    if HARDWARE_CONVERT:
+        return y.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
+    return _e4m3_rtne_integer(y)
+
+
+@triton.jit
+def _e4m3_rtne_integer(y):
+    """e4m3_rtne in integers: the exponent, the significand shifted to 3 bits, ties to even."""
     bits = y.to(tl.int32, bitcast=True)
     exp = bits >> 23
     sig = (bits & 0x7FFFFF) | tl.where(exp > 0, 0x800000, 0)
@@ -98,7 +109,15 @@ def e4m3_rtne(y):
 
 @triton.jit
 def e4m3_value(b):
-    """b: int32 E4M3 bytes (NaN excluded) -> fp32 values."""
+    """b: int32 E4M3 bytes (NaN excluded) -> fp32 values (exact: on a GPU by its conversion)."""
+    if HARDWARE_CONVERT:
+        return b.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    return _e4m3_value_integer(b)
+
+
+@triton.jit
+def _e4m3_value_integer(b):
+    """e4m3_value from the bit fields."""
     e = (b >> 3) & 0xF
     m = b & 7
     normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
@@ -147,7 +166,7 @@ def round_to_bf16(x):
     its conversion instruction (cvt.rn.bf16.f32, two values an instruction, a quarter of the
     integer form's), interpreted the integer form (the interpreter's conversion truncates). They
     differ in a NaN's payload alone, which no caller keeps (a NaN poisons its block)."""
-    if HARDWARE_BF16:
+    if HARDWARE_CONVERT:
         return x.to(tl.bfloat16).to(tl.float32)
     return (to_bf16_rtne(x).to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
 

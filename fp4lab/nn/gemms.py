@@ -201,6 +201,28 @@ def keeps_x_wgrad(recipe: Recipe, x: torch.Tensor, grouped: bool, keep_x: bool) 
             and pair_applies(recipe, x, ("fprop", "a"), ("wgrad", "b")))
 
 
+def keeps_w_values(recipe: Recipe, grouped: bool, keep_w: bool) -> bool:
+    """Whether a dense layer's forward under ``recipe`` (at any progress) hands its backward
+    fprop's weight block values for dgrad to multiply transposed (Call.dgrad_reuses_fprop_weight's
+    rule, without statistics: the custom ops collect none), decided, as keeps_x_wgrad is, from the
+    recipe and the arguments alone."""
+    return (keep_w and not grouped and recipe.bf16_after is None and recipe.fprop.emulated and recipe.dgrad.emulated
+            and _weight_tiles_shared(recipe))
+
+
+def _weight_tiles_shared(recipe: Recipe) -> bool:
+    """fprop's and dgrad's weight operands are the same 16x16 RTNE tiles of the same tensor."""
+    f, d = recipe.fprop, recipe.dgrad
+    return (f.b == d.b and f.b.block2d and f.b.rounding is Rounding.RTNE and not f.rotated and not d.rotated
+            and d.a.quantized)
+
+
+def w_values_shape(weight: torch.Tensor) -> tuple[int, int]:
+    """The stored shape of a [N, K] weight's 16x16-tiled block values: both axes padded to 16."""
+    n, k = weight.shape[-2:]
+    return n + (-n % 16), k + (-k % 16)
+
+
 def x_wgrad_operand(x: torch.Tensor, call: Call) -> BlockValues:
     """wgrad's copy of a dense layer's x made on its own: what the pair's columns copy holds."""
     return call.operand(_pad_rows(x), 0, "wgrad", "b")

@@ -6,14 +6,19 @@ every FP4 layer. Here the same two halves, ``gemms_forward`` and ``gemms_backwar
 two opaque ops whose arguments are all graph-friendly:
 
     fp4lab::gemms           (x, weight, bias, sizes, counts, layers, recipe, clock, rank, seeds, grouped,
-                             keep_x) -> (y, x_wgrad, x_wgrad_scale)
-    fp4lab::gemms_backward  (dy, x, weight, ...same..., need_dx, need_dw, x_wgrad, x_wgrad_scale) -> (dx, dw)
+                             keep_x, keep_w) -> (y, x_wgrad, x_wgrad_scale, w_values, w_scale)
+    fp4lab::gemms_backward  (dy, x, weight, ...same..., need_dx, need_dw, x_wgrad, x_wgrad_scale, w_values,
+                             w_scale) -> (dx, dw)
 
 With ``keep_x`` (a weight gradient follows), a dense layer whose two copies of x pair
 (gemms.keeps_x_wgrad, decided from the recipe before the op runs: an op's outputs cannot depend
 on what it finds) returns wgrad's copy of x, made in the read that made fprop's, as eager does:
 its block values [K, rows padded to 32] and tensor scale (empty tensors where none), saved for
-the backward in place of x (which then travels as a one-element stand-in of its shape).
+the backward in place of x (which then travels as a one-element stand-in of its shape). With
+``keep_w`` (an input gradient follows), a dense layer whose dgrad multiplies fprop's weight tiles
+transposed (gemms.keeps_w_values, from the recipe alone) returns those block values [N, K, each
+padded to 16] and their tensor scale, so the backward does not quantize the weight again, as
+eager does not.
 
 ``counts``, where given, are a grouped call's row counts as a device tensor (``sizes`` is then
 empty): the routing's counts never read on the host, so a compiled MoE block is one graph and a
@@ -29,12 +34,12 @@ CUDA graph around the compiled step draws each step's bits), ``clock`` the Quant
 guard on, so the compiled graph serves every step without recompiling. Each op rebuilds the Calls
 from them (gemms.call_at), so its results are bit-identical to the eager path's (tested).
 
-Differences from the eager path, costs rather than results: dgrad quantizes the weight again
-where eager multiplies fprop's block values transposed (the same values, tested in nn.gemms; an
-MoE projection makes fprop's tiles of every expert again in one launch and transposes them,
-where each expert's weight quantized alone cost two launches an expert), and a dithered weight
-is dithered again in backward (the same seed). Operand statistics (a Python
-side effect) are not collected here: layers with ``context.collect`` take the eager path.
+Differences from the eager path, costs rather than results: an MoE projection's dgrad makes
+fprop's tiles of every expert again in one launch and transposes them, where eager keeps them
+(the same values, tested in nn.gemms; each expert's weight quantized alone cost two launches an
+expert), and a dithered weight is dithered again in backward (the same seed). Operand
+statistics (a Python side effect) are not collected here: layers with ``context.collect`` take
+the eager path.
 
 A module hands the op its recipe's index as an int attribute of its own (``RecipeSlot``), set
 when the recipe is assigned: a compiled graph then guards that int, where a lookup of the recipe
@@ -52,7 +57,7 @@ import torch
 
 from ..kernels import BlockValues
 from .gemms import (WGRAD_ROW_MULTIPLE, QuantContext, call_at, capturing, gemms_backward, gemms_forward,
-                    keeps_x_wgrad, x_wgrad_operand)
+                    keeps_w_values, keeps_x_wgrad, w_values_shape, x_wgrad_operand)
 from .recipe import Recipe
 from .seeds import table_at
 
@@ -135,19 +140,35 @@ def _calls(layers: torch.Tensor, recipe: int, clock: torch.Tensor, rank: int, se
 @torch.library.custom_op("fp4lab::gemms", mutates_args=())
 def _gemms(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int],
            counts: torch.Tensor | None, layers: torch.Tensor, recipe: int, clock: torch.Tensor, rank: int, seeds: int,
-           grouped: bool, keep_x: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    keep = keeps_x_wgrad(registered_recipe(recipe), x, grouped, keep_x)
+           grouped: bool, keep_x: bool, keep_w: bool
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    r = registered_recipe(recipe)
+    keep, keep_w = keeps_x_wgrad(r, x, grouped, keep_x), keeps_w_values(r, grouped, keep_w)
     calls = _calls(layers, recipe, clock, rank, seeds)
-    y, saved = gemms_forward(x, weight, bias, _sizes_or_counts(sizes, counts), calls, grouped, keep_x=keep)
+    y, saved = gemms_forward(x, weight, bias, _sizes_or_counts(sizes, counts), calls, grouped, keep=keep_w,
+                             keep_x=keep)
+    w_out = _values_and_scale(saved["w_values"][0]) if keep_w else _none_kept(x)
     if not keep:
-        return y, *_no_x_wgrad(x)
+        return y, *_none_kept(x), *w_out
     # made in fprop's read, or (the pair switched off since the graph was planned) on its own
-    xw = saved.get("x_wgrad") or x_wgrad_operand(x, calls[0])
-    return y, xw.values, (xw.tensor_scale if xw.tensor_scale is not None else x.new_empty(0, dtype=torch.float32))
+    return y, *_values_and_scale(saved.get("x_wgrad") or x_wgrad_operand(x, calls[0])), *w_out
 
 
-def _no_x_wgrad(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _values_and_scale(v: BlockValues) -> tuple[torch.Tensor, torch.Tensor]:
+    """An operand as the op returns it: its block values and its tensor scale (empty: none)."""
+    return v.values, (v.tensor_scale if v.tensor_scale is not None else v.values.new_empty(0, dtype=torch.float32))
+
+
+def _none_kept(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (values, scale) pair of an operand not kept: two empty tensors."""
     return x.new_empty(0, dtype=torch.bfloat16), x.new_empty(0, dtype=torch.float32)
+
+
+def _kept(values: torch.Tensor, scale: torch.Tensor, rows: int, fmt) -> BlockValues | None:
+    """The operand the forward op returned as (values, scale), or None where it kept none."""
+    if not values.numel():
+        return None
+    return BlockValues(values, scale if scale.numel() else None, rows, fmt)
 
 
 def _sizes_or_counts(sizes: list[int], counts: torch.Tensor | None) -> list[int] | torch.Tensor:
@@ -155,26 +176,32 @@ def _sizes_or_counts(sizes: list[int], counts: torch.Tensor | None) -> list[int]
 
 
 @_gemms.register_fake
-def _(x, weight, bias, sizes, counts, layers, recipe, clock, rank, seeds, grouped, keep_x):
+def _(x, weight, bias, sizes, counts, layers, recipe, clock, rank, seeds, grouped, keep_x, keep_w):
     y = x.new_empty(x.shape[0], weight.shape[1])
     r = registered_recipe(recipe)
+
+    def scale(spec) -> torch.Tensor:
+        return x.new_empty((), dtype=torch.float32) if spec.format.spec.tensor_scale else x.new_empty(
+            0, dtype=torch.float32)
+    w_out = ((x.new_empty(w_values_shape(weight), dtype=torch.bfloat16), scale(r.fprop.b))
+             if keeps_w_values(r, grouped, keep_w) else _none_kept(x))
     if not keeps_x_wgrad(r, x, grouped, keep_x):
-        return y, *_no_x_wgrad(x)
+        return y, *_none_kept(x), *w_out
     rows = x.shape[0] + (-x.shape[0] % WGRAD_ROW_MULTIPLE)
-    scale = x.new_empty((), dtype=torch.float32) if r.wgrad.b.format.spec.tensor_scale else x.new_empty(
-        0, dtype=torch.float32)
-    return y, x.new_empty(x.shape[1], rows, dtype=torch.bfloat16), scale
+    return y, x.new_empty(x.shape[1], rows, dtype=torch.bfloat16), scale(r.wgrad.b), *w_out
 
 
 @torch.library.custom_op("fp4lab::gemms_backward", mutates_args=())
 def _gemms_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, sizes: list[int],
                     counts: torch.Tensor | None, layers: torch.Tensor, recipe: int, clock: torch.Tensor, rank: int,
                     seeds: int, grouped: bool, need_dx: bool, need_dw: bool, x_wgrad: torch.Tensor,
-                    x_wgrad_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    saved = None
-    if x_wgrad.numel():  # wgrad's copy of x, made by the forward op
-        scale = x_wgrad_scale if x_wgrad_scale.numel() else None
-        saved = {"x_wgrad": BlockValues(x_wgrad, scale, x.shape[1], registered_recipe(recipe).wgrad.b.format)}
+                    x_wgrad_scale: torch.Tensor, w_values: torch.Tensor, w_scale: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    # what the forward op kept: wgrad's copy of x, fprop's weight tiles (None: not kept)
+    r = registered_recipe(recipe)
+    xw = _kept(x_wgrad, x_wgrad_scale, x.shape[1], r.wgrad.b.format)
+    wv = _kept(w_values, w_scale, weight.shape[1], r.fprop.b.format)
+    saved = {"x_wgrad": xw, "w_values": None if wv is None else [wv]}
     dx, dw = gemms_backward(dy, x, weight, _sizes_or_counts(sizes, counts), _calls(layers, recipe, clock, rank, seeds),
                             grouped, need_dx=need_dx, need_dw=need_dw, saved=saved)
     # an op returns tensors, never None: an empty one stands for a gradient not asked for
@@ -183,35 +210,35 @@ def _gemms_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, siz
 
 @_gemms_backward.register_fake
 def _(dy, x, weight, sizes, counts, layers, recipe, clock, rank, seeds, grouped, need_dx, need_dw, x_wgrad,
-      x_wgrad_scale):
+      x_wgrad_scale, w_values, w_scale):
     return (torch.empty_like(x, memory_format=torch.contiguous_format) if need_dx else x.new_empty(0)), (
         torch.empty_like(weight) if need_dw else weight.new_empty(0))
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    x, weight, bias, sizes, counts, layers, recipe, clock, rank, seeds, grouped, keep_x = inputs
-    _, x_wgrad, x_wgrad_scale = output
+    x, weight, bias, sizes, counts, layers, recipe, clock, rank, seeds, grouped, keep_x, keep_w = inputs
+    _, x_wgrad, x_wgrad_scale, w_values, w_scale = output
     # with wgrad's copy of x kept, backward needs x's shape alone: a one-element stand-in is saved
     kept = x_wgrad.numel() > 0
     x_saved = x.new_zeros(1) if kept else x
-    ctx.mark_non_differentiable(x_wgrad, x_wgrad_scale)  # (no zero gradients made for them)
+    ctx.mark_non_differentiable(x_wgrad, x_wgrad_scale, w_values, w_scale)  # (no zero gradients made for them)
     # the trainer may move the clock before backward; counts (None: sizes) ride along as a tensor
-    ctx.save_for_backward(x_saved, weight, clock.clone(), layers, counts, x_wgrad, x_wgrad_scale)
+    ctx.save_for_backward(x_saved, weight, clock.clone(), layers, counts, x_wgrad, x_wgrad_scale, w_values, w_scale)
     ctx.x_shape = tuple(x.shape) if kept else None
     ctx.args = (sizes, recipe, rank, seeds, grouped)
     ctx.has_bias = bias is not None
 
 
 def _backward(ctx, dy: torch.Tensor, *unused):
-    x, weight, clock, layers, counts, x_wgrad, x_wgrad_scale = ctx.saved_tensors
+    x, weight, clock, layers, counts, *kept = ctx.saved_tensors
     if ctx.x_shape is not None:
         x = x.expand(ctx.x_shape)
     sizes, recipe, rank, seeds, grouped = ctx.args
     need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     dx, dw = torch.ops.fp4lab.gemms_backward(dy, x, weight, sizes, counts, layers, recipe, clock, rank, seeds,
-                                             grouped, need_dx, need_dw, x_wgrad, x_wgrad_scale)
+                                             grouped, need_dx, need_dw, *kept)
     db = dy.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-    return (dx if need_dx else None), (dw if need_dw else None), db, *[None] * 9
+    return (dx if need_dx else None), (dw if need_dw else None), db, *[None] * 10
 
 
 _gemms.register_autograd(_backward, setup_context=_setup_context)
@@ -229,6 +256,8 @@ def fp4_gemms_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     seeds = -1 if context.seeds is None else context.seeds.index
     counts, sizes = (sizes, []) if isinstance(sizes, torch.Tensor) else (None, list(sizes))
     index = recipe if isinstance(recipe, int) else recipe_index(recipe)
-    keep_x = torch.is_grad_enabled() and weight.requires_grad  # (the eager path: training and dW asked for)
+    # what backward will ask for (the eager path's rule): dW (keep wgrad's x), dx (keep fprop's weight tiles)
+    keep_x = torch.is_grad_enabled() and weight.requires_grad
+    keep_w = torch.is_grad_enabled() and x.requires_grad
     return _gemms(x, weight, bias, sizes, counts, layers, index, context.clock, context.rank, seeds, grouped,
-                  keep_x)[0]
+                  keep_x, keep_w)[0]

@@ -8,8 +8,9 @@ import triton.language as tl  # noqa: E402
 
 from fp4lab.formats import codes as C  # noqa: E402
 from fp4lab.formats.rng import philox4x32, random_bytes  # noqa: E402
-from fp4lab.kernels.elements import (e2m1_rtne, e2m1_rtne_value, e2m1_stochastic,  # noqa: E402
-                                     e2m1_stochastic_value, e4m3_rtne, e4m3_value, philox_bytes, to_bf16_rtne)
+from fp4lab.kernels.elements import (_e4m3_rtne_integer, _e4m3_value_integer, e2m1_rtne,  # noqa: E402
+                                     e2m1_rtne_value, e2m1_stochastic, e2m1_stochastic_value, e4m3_rtne,
+                                     e4m3_value, philox_bytes, to_bf16_rtne)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ALL_BF16 = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
@@ -104,3 +105,35 @@ def test_philox_bytes_match_rng():
     words = torch.stack(philox4x32(12345, torch.arange(2**33, 2**33 + 64)), -1)  # [64, 4]
     ref = (words[:, :, None] >> torch.tensor([0, 8, 16, 24])) & 0xFF  # byte j = word j//4, shift 8(j%4)
     assert torch.equal(out.cpu(), ref.reshape(-1).int())
+
+
+@triton.jit
+def _e4m3_forms_kernel(mismatch_ptr, first, n, BLOCK: tl.constexpr):
+    """Counts the fp32 patterns first .. first + n - 1 where e4m3_rtne (and e4m3_value of its byte)
+    differ from the integer forms."""
+    bits = first + tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    y = bits.to(tl.float32, bitcast=True)
+    b = e4m3_rtne(y)
+    bad = (b != _e4m3_rtne_integer(y)) | (e4m3_value(b) != _e4m3_value_integer(b))
+    tl.atomic_add(mismatch_ptr, tl.sum((bad & (bits < first + n)).to(tl.int32)))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the hardware conversions exist on a GPU only")
+def test_the_gpus_e4m3_conversions_are_the_integer_forms_on_every_fp32_in_range():
+    """Compiled, e4m3_rtne and e4m3_value are the GPU's conversion instructions; the integer forms
+    (what the interpreter runs, tested against the reference above) must agree on every fp32 bit
+    pattern a kernel can pass: 0 .. 448, subnormals included."""
+    n = 0x43E00000 + 1  # fp32(448)'s bits, inclusive
+    mismatch = torch.zeros(1, dtype=torch.int32, device="cuda")
+    _e4m3_forms_kernel[(triton.cdiv(n, 4096),)](mismatch, 0, n, BLOCK=4096)
+    assert int(mismatch) == 0
+    every_byte = torch.arange(0x7F, dtype=torch.int32, device="cuda")  # 0 .. 0x7E, every finite magnitude
+    got = torch.empty(0x7F, device="cuda")
+    _e4m3_value_kernel[(1,)](every_byte, got, 0x7F, BLOCK=128)
+    assert torch.equal(got.cpu(), C.decode_e4m3(torch.arange(0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn)))
+
+
+@triton.jit
+def _e4m3_value_kernel(b_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(out_ptr + offs, e4m3_value(tl.load(b_ptr + offs, mask=offs < n, other=0)), mask=offs < n)
