@@ -61,6 +61,10 @@ _SMALL_OUT = (128, 128, 64, 8, 4)
 USE_TMA = True
 """On CUDA, read tiles through TMA descriptors where the operands allow (16-byte aligned rows, one
 contiguous axis); False forces the pointer kernel (benchmarks compare the two)."""
+_SHARED_BYTES = 232448  # shared memory a program may take on sm_90 (227 KB)
+PERSISTENT = False
+"""Dense TMA launches as the persistent kernel (one program an SM walking the output tiles);
+False: one program a tile (benchmarks compare the two; the same bits)."""
 
 
 @triton.jit
@@ -195,6 +199,41 @@ def _scaled_mm_tma_kernel(a_desc, b_desc, c_ptr, alpha_ptr, tile_group_ptr, tile
                   s_cm, s_cn, BF16_OUT)
 
 
+@triton.jit
+def _scaled_mm_persistent_kernel(a_desc, b_desc, c_ptr, alpha_ptr, M, N, K, s_cm, s_cn, B_KN: tl.constexpr,
+                                 BF16_OUT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                                 GROUP_M: tl.constexpr, PROGRAMS: tl.constexpr):
+    """The dense TMA GEMM as a persistent kernel: PROGRAMS programs (one an SM) walk the output
+    tiles in _tile's order, one K loop after another flattened into a single pipelined loop, so
+    the loads of a program's next tile are in flight while it scales and stores the last (a short
+    contraction, K = 768, spends a third of a tile's time outside its K loop). Each output element
+    is summed as _scaled_mm_tma_kernel sums it (the same K steps): the same bits."""
+    tiles_n = tl.cdiv(N, BN)
+    tiles = tl.cdiv(M, BM) * tiles_n
+    k_steps = tl.cdiv(K, BK)
+    tile = tl.program_id(0) - PROGRAMS
+    row0, n0 = 0, 0
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    # one flattened loop over (this program's tiles) x (K steps): ki counts K steps within a tile
+    ki = -1
+    steps = tl.cdiv(tiles - tl.program_id(0), PROGRAMS) * k_steps
+    for _ in tl.range(0, steps, flatten=True):
+        ki = tl.where(ki == k_steps - 1, 0, ki + 1)
+        if ki == 0:
+            tile += PROGRAMS
+            _, row0, _, pid_n = _tile(tile, tile, tile, tile, M, N, False, BM, BN, GROUP_M)
+            n0 = pid_n * BN
+        a = a_desc.load([row0, ki * BK])
+        if B_KN:
+            acc = tl.dot(a, b_desc.load([ki * BK, n0]), acc)
+        else:
+            acc = tl.dot(a, b_desc.load([n0, ki * BK]).T, acc)
+        if ki == k_steps - 1:
+            _store_scaled(acc, alpha_ptr, 0, 0, c_ptr, row0 + tl.arange(0, BM), n0 + tl.arange(0, BN), M, N,
+                          s_cm, s_cn, BF16_OUT)
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+
+
 def _descriptors(a: torch.Tensor, b: torch.Tensor, bm: int, bn: int, bk: int):
     """TMA descriptors for a [S, K] and b ([N, K] or [G, N, K], either axis contiguous) ->
     (a_desc, b_desc, b stored [K, N], rows per group in b's 2D view), or None where TMA cannot
@@ -270,6 +309,17 @@ def _launch(a, b, out, alpha, grid, tiles, m, n, k, s_bg, s_alpha, grouped):
     if tiles is None:
         tiles = (a, a, a)  # unused pointers
     tma = None if interpreted or not USE_TMA else _descriptors(a, b, bm, bn, bk)
+    if tma is not None and not grouped and PERSISTENT:
+        a_desc, b_desc, kn, _ = tma
+        programs = min(_sm_count(a.device), triton.cdiv(m, bm) * triton.cdiv(n, bn))
+        # the epilogue's staging tile stays allocated beside the pipeline's buffers (the next
+        # tile's loads are in flight): as many stages as fit beside it in an SM's shared memory
+        epilogue = bm * bn * out.element_size()
+        stages = max(1, min(stages, (_SHARED_BYTES - epilogue) // ((bm + bn) * bk * a.element_size())))
+        _scaled_mm_persistent_kernel[(programs,)](a_desc, b_desc, out, alpha, m, n, k, out.stride(0), out.stride(1),
+                                                  B_KN=kn, BF16_OUT=out.dtype == torch.bfloat16, BM=bm, BN=bn, BK=bk,
+                                                  GROUP_M=8, PROGRAMS=programs, num_warps=warps, num_stages=stages)
+        return
     if tma is not None:
         a_desc, b_desc, kn, group_rows = tma
         _scaled_mm_tma_kernel[grid(bm, bn)](a_desc, b_desc, out, alpha, *tiles, m, n, k, out.stride(0), out.stride(1),

@@ -259,12 +259,14 @@ def test_the_gemm_sweep_lists_a_blocks_fifteen_gemms_and_restores_the_tile():
     assert shapes[(16384, 2048, 768)] == 3  # down's fprop, gate's and up's dgrad
     assert shapes[(2048, 16384, 768)] == 2 and shapes[(768, 16384, 2048)] == 1  # gate's, up's and down's wgrad
     assert shapes[(768, 16384, 768)] == 1 and shapes[(2304, 16384, 768)] == 1  # proj's and qkv's wgrad
-    before = (matmul._BM, matmul._BN, matmul._BK, matmul._WARPS, matmul._STAGES, matmul._SMALL_OUT)
+    before = (matmul._BM, matmul._BN, matmul._BK, matmul._WARPS, matmul._STAGES, matmul._SMALL_OUT, matmul.PERSISTENT)
     with pytest.raises(RuntimeError):
-        with sweep.tile((64, 64, 64, 4, 4)):
+        with sweep.tile((64, 64, 64, 4, 4), persistent=not matmul.PERSISTENT):
             assert (matmul._BM, matmul._BN) == (64, 64) and matmul._SMALL_OUT == (64, 64, 64, 4, 4)
+            assert matmul.PERSISTENT is not before[-1]
             raise RuntimeError("a tile that does not fit")
-    assert (matmul._BM, matmul._BN, matmul._BK, matmul._WARPS, matmul._STAGES, matmul._SMALL_OUT) == before
+    assert (matmul._BM, matmul._BN, matmul._BK, matmul._WARPS, matmul._STAGES, matmul._SMALL_OUT,
+            matmul.PERSISTENT) == before
 
 
 def test_a_dense_launch_of_few_output_tiles_takes_the_small_output_tile(monkeypatch):
@@ -297,3 +299,23 @@ def test_the_dense_gemm_gives_the_same_bits_at_any_tile(monkeypatch):
     for bm, bn, warps, stages in tiles:
         monkeypatch.setattr(matmul, "_config", lambda m, n, grouped, device, t=(bm, bn, bk, warps, stages): t)
         assert torch.equal(scaled_mm(a, b, alpha), want), (bm, bn)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the persistent kernel reads through TMA: a GPU")
+@pytest.mark.parametrize("m,n,k", [(300, 200, 256), (1024, 768, 768), (16, 40, 48), (2048, 256, 1000)])
+@pytest.mark.parametrize("b_layout", ["k_major", "n_major"])
+def test_the_persistent_kernel_gives_the_tiled_kernels_bits(m, n, k, b_layout, monkeypatch):
+    """matmul.PERSISTENT changes the schedule (one program an SM, each walking output tiles), not
+    a sum: every output element, bf16 or fp32, has the one-program-a-tile kernel's bits, for ragged
+    M and N, a K that is no multiple of BK, and either layout of b (dgrad multiplies W as stored)."""
+    g = torch.Generator().manual_seed(m + n + k)
+    a = torch.randn(m, k, generator=g).to(torch.bfloat16).cuda()
+    b = torch.randn(n, k, generator=g).to(torch.bfloat16).cuda()
+    if b_layout == "n_major":
+        b = b.T.contiguous().T
+    alpha = torch.tensor(0.375, device="cuda")
+    for out_dtype in (torch.bfloat16, torch.float32):
+        monkeypatch.setattr(matmul, "PERSISTENT", False)
+        want = scaled_mm(a, b, alpha, out_dtype=out_dtype)
+        monkeypatch.setattr(matmul, "PERSISTENT", True)
+        assert torch.equal(scaled_mm(a, b, alpha, out_dtype=out_dtype), want), out_dtype
