@@ -49,16 +49,17 @@ def block_gemms(dim: int, hidden: int, qkv: int, tokens: int) -> dict[tuple[int,
 def tile(cfg: tuple[int, int, int, int, int], persistent: bool | None = None):
     """matmul's dense tile set to ``cfg`` inside the block, for every output size, and its kernel
     (matmul.PERSISTENT; None: as it is), restored after."""
-    saved = (matmul._BM, matmul._BN, matmul._BK, matmul._WARPS, matmul._STAGES, matmul._SMALL_OUT, matmul.PERSISTENT)
+    saved = (matmul._BM, matmul._BN, matmul._BK, matmul._WARPS, matmul._STAGES, matmul._LARGE_OUT, matmul._SMALL_OUT,
+             matmul._TINY_OUT, matmul.PERSISTENT)
     matmul._BM, matmul._BN, matmul._BK, matmul._WARPS, matmul._STAGES = cfg
-    matmul._SMALL_OUT = cfg
+    matmul._LARGE_OUT = matmul._SMALL_OUT = matmul._TINY_OUT = cfg
     if persistent is not None:
         matmul.PERSISTENT = persistent
     try:
         yield
     finally:
-        (matmul._BM, matmul._BN, matmul._BK, matmul._WARPS, matmul._STAGES, matmul._SMALL_OUT,
-         matmul.PERSISTENT) = saved
+        (matmul._BM, matmul._BN, matmul._BK, matmul._WARPS, matmul._STAGES, matmul._LARGE_OUT, matmul._SMALL_OUT,
+         matmul._TINY_OUT, matmul.PERSISTENT) = saved
 
 
 def main() -> None:
@@ -74,7 +75,7 @@ def main() -> None:
     cfg = model_config(args.model)
     shapes = block_gemms(cfg.dim, cfg.mlp_hidden, 3 * cfg.dim, args.tokens)
     alpha = torch.ones((), device="cuda")
-    default = ((matmul._BM, matmul._BN, matmul._BK, matmul._WARPS, matmul._STAGES), matmul.PERSISTENT)
+    default = "persistent" if matmul.PERSISTENT else "tiled"
     rows, totals = [], {"default": 0.0, "best": 0.0, "bf16": 0.0, **{_name(p): 0.0 for p in kernels}}
     for (m, k, n), count in shapes.items():
         a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)

@@ -53,18 +53,24 @@ _BM, _BN, _BK, _WARPS, _STAGES = 256, 128, 64, 8, 4
 # 8 warps, 3 stages ran 4x faster than the dense tile (benchmarks/sweep_wgrad.py); BK stays _BK, so
 # each element is summed in the dense kernel's order (the same bits, checked in the sweep)
 _WGRAD_BM, _WGRAD_BN, _WGRAD_WARPS, _WGRAD_STAGES = 128, 128, 8, 3
-# a dense launch of fewer output tiles than the device has SMs (a weight gradient: a small output
-# over a long contraction; d12's [768, 768] is 18 tiles of 256 x 128 on 132 SMs) runs 128 x 128
-# tiles: 1.1-1.2x cuBLAS there instead of 1.7-4x (benchmarks/sweep_gemm.py); BK stays _BK, so the
-# same bits (every tile of the sweep gave the default's)
+# dense launches, by output size (benchmarks/sweep_gemm.py at d12's fifteen GEMM shapes on an H100;
+# BK stays _BK in all, so every one gives the same bits):
+# - a large output (as many 256 x 128 tiles as SMs), through TMA: the persistent kernel on 128 x 256
+#   tiles (fprop at K = 768: 1.32x -> 1.22x cuBLAS); through pointers, the default tile
+# - a weight gradient's small output over a long contraction (d12's [2304, 768] is 54 tiles of
+#   256 x 128 on 132 SMs): 128 x 128 tiles, 1.1-1.2x cuBLAS instead of 1.7-4x
+# - fewer 128 x 128 tiles than half the SMs ([768, 768]: 36): 64 x 128, 4 warps (2.1x -> 1.8x)
+_LARGE_OUT = (128, 256, 64, 8, 4)
 _SMALL_OUT = (128, 128, 64, 8, 4)
+_TINY_OUT = (64, 128, 64, 4, 4)
 USE_TMA = True
 """On CUDA, read tiles through TMA descriptors where the operands allow (16-byte aligned rows, one
 contiguous axis); False forces the pointer kernel (benchmarks compare the two)."""
 _SHARED_BYTES = 232448  # shared memory a program may take on sm_90 (227 KB)
-PERSISTENT = False
+PERSISTENT = True
 """Dense TMA launches as the persistent kernel (one program an SM walking the output tiles);
-False: one program a tile (benchmarks compare the two; the same bits)."""
+False: one program a tile, the default tile at large outputs (benchmarks compare the two; the
+same bits)."""
 
 
 @triton.jit
@@ -289,13 +295,17 @@ def _output(rows: int, n: int, k: int, dtype: torch.dtype, device: torch.device)
     return out, out.numel() == 0 or k == 0
 
 
-def _config(m: int, n: int, grouped: bool, device: torch.device) -> tuple[int, int, int, int, int]:
-    """(BM, BN, BK, warps, stages) of a launch: _tile_shape's, or for a dense launch whose output
-    has fewer tiles than the device has SMs, _SMALL_OUT (grouped launches keep the tile their
-    tile lists were made for)."""
-    small = (not grouped and os.environ.get("TRITON_INTERPRET") != "1"
-             and triton.cdiv(m, _BM) * triton.cdiv(n, _BN) < _sm_count(device))
-    return _SMALL_OUT if small else (*_tile_shape(), _WARPS, _STAGES)
+def _config(m: int, n: int, grouped: bool, device: torch.device, persistent: bool = False
+            ) -> tuple[int, int, int, int, int]:
+    """(BM, BN, BK, warps, stages) of a launch: grouped launches keep _tile_shape's (their tile
+    lists are made for it), and so does the interpreter; a dense one takes its output size's
+    (the table above), the persistent kernel's at a large output."""
+    if grouped or os.environ.get("TRITON_INTERPRET") == "1":
+        return (*_tile_shape(), _WARPS, _STAGES)
+    sms = _sm_count(device)
+    if triton.cdiv(m, _BM) * triton.cdiv(n, _BN) >= sms:
+        return _LARGE_OUT if persistent else (_BM, _BN, _BK, _WARPS, _STAGES)
+    return _TINY_OUT if 2 * triton.cdiv(m, 128) * triton.cdiv(n, 128) < sms else _SMALL_OUT
 
 
 @functools.lru_cache(maxsize=None)
@@ -305,11 +315,14 @@ def _sm_count(device: torch.device) -> int:
 
 def _launch(a, b, out, alpha, grid, tiles, m, n, k, s_bg, s_alpha, grouped):
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    bm, bn, bk, warps, stages = _config(m, n, grouped, a.device)
+    persistent = PERSISTENT and not grouped and not interpreted and USE_TMA
+    bm, bn, bk, warps, stages = _config(m, n, grouped, a.device, persistent)
     if tiles is None:
         tiles = (a, a, a)  # unused pointers
     tma = None if interpreted or not USE_TMA else _descriptors(a, b, bm, bn, bk)
-    if tma is not None and not grouped and PERSISTENT:
+    if tma is None and persistent:  # the pointer kernel, on its own tile
+        bm, bn, bk, warps, stages = _config(m, n, grouped, a.device)
+    elif persistent:
         a_desc, b_desc, kn, _ = tma
         programs = min(_sm_count(a.device), triton.cdiv(m, bm) * triton.cdiv(n, bn))
         # the epilogue's staging tile stays allocated beside the pipeline's buffers (the next

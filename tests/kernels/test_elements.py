@@ -108,32 +108,33 @@ def test_philox_bytes_match_rng():
 
 
 @triton.jit
-def _e4m3_forms_kernel(mismatch_ptr, first, n, BLOCK: tl.constexpr):
-    """Counts the fp32 patterns first .. first + n - 1 where e4m3_rtne (and e4m3_value of its byte)
-    differ from the integer forms."""
-    bits = first + tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+def _e4m3_encode_forms_kernel(mismatch_ptr, n, BLOCK: tl.constexpr):
+    """Counts the fp32 patterns 0 .. n - 1 where e4m3_rtne differs from its integer form."""
+    bits = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     y = bits.to(tl.float32, bitcast=True)
-    b = e4m3_rtne(y)
-    bad = (b != _e4m3_rtne_integer(y)) | (e4m3_value(b) != _e4m3_value_integer(b))
-    tl.atomic_add(mismatch_ptr, tl.sum((bad & (bits < first + n)).to(tl.int32)))
+    bad = (e4m3_rtne(y) != _e4m3_rtne_integer(y)) & (bits < n)
+    tl.atomic_add(mismatch_ptr, tl.sum(bad.to(tl.int32)))
+
+
+@triton.jit
+def _e4m3_value_kernel(b_ptr, out_ptr, int_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    b = tl.load(b_ptr + offs, mask=offs < n, other=0)
+    tl.store(out_ptr + offs, e4m3_value(b), mask=offs < n)
+    tl.store(int_ptr + offs, _e4m3_value_integer(b), mask=offs < n)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the hardware conversions exist on a GPU only")
 def test_the_gpus_e4m3_conversions_are_the_integer_forms_on_every_fp32_in_range():
     """Compiled, e4m3_rtne and e4m3_value are the GPU's conversion instructions; the integer forms
-    (what the interpreter runs, tested against the reference above) must agree on every fp32 bit
-    pattern a kernel can pass: 0 .. 448, subnormals included."""
+    (what the interpreter runs, tested against the reference above) must agree on every input a
+    kernel can pass: every fp32 bit pattern in 0 .. 448 (subnormals included), every finite byte."""
     n = 0x43E00000 + 1  # fp32(448)'s bits, inclusive
     mismatch = torch.zeros(1, dtype=torch.int32, device="cuda")
-    _e4m3_forms_kernel[(triton.cdiv(n, 4096),)](mismatch, 0, n, BLOCK=4096)
+    _e4m3_encode_forms_kernel[(triton.cdiv(n, 1024),)](mismatch, n, BLOCK=1024)
     assert int(mismatch) == 0
     every_byte = torch.arange(0x7F, dtype=torch.int32, device="cuda")  # 0 .. 0x7E, every finite magnitude
-    got = torch.empty(0x7F, device="cuda")
-    _e4m3_value_kernel[(1,)](every_byte, got, 0x7F, BLOCK=128)
-    assert torch.equal(got.cpu(), C.decode_e4m3(torch.arange(0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn)))
-
-
-@triton.jit
-def _e4m3_value_kernel(b_ptr, out_ptr, n, BLOCK: tl.constexpr):
-    offs = tl.arange(0, BLOCK)
-    tl.store(out_ptr + offs, e4m3_value(tl.load(b_ptr + offs, mask=offs < n, other=0)), mask=offs < n)
+    got, integer = torch.empty(0x7F, device="cuda"), torch.empty(0x7F, device="cuda")
+    _e4m3_value_kernel[(1,)](every_byte, got, integer, 0x7F, BLOCK=128)
+    want = C.decode_e4m3(torch.arange(0x7F, dtype=torch.uint8))
+    assert torch.equal(got.cpu(), want) and torch.equal(integer.cpu(), want)

@@ -246,8 +246,8 @@ def test_grouped_gemms_on_device_counts_are_captured_and_replay_new_counts():
 
 def test_the_gemm_sweep_lists_a_blocks_fifteen_gemms_and_restores_the_tile():
     """benchmarks/sweep_gemm.py: one GPT block's five linears, each with fprop, dgrad and wgrad
-    shapes (d12: gate and up share theirs, and down's mirror them), and the tile it sets is the module's again after, an
-    error inside included."""
+    shapes (d12: gate and up share theirs, and down's mirror them), and the tile and kernel it sets
+    are the module's again after, an error inside included."""
     import importlib
     import sys
     from pathlib import Path
@@ -259,28 +259,33 @@ def test_the_gemm_sweep_lists_a_blocks_fifteen_gemms_and_restores_the_tile():
     assert shapes[(16384, 2048, 768)] == 3  # down's fprop, gate's and up's dgrad
     assert shapes[(2048, 16384, 768)] == 2 and shapes[(768, 16384, 2048)] == 1  # gate's, up's and down's wgrad
     assert shapes[(768, 16384, 768)] == 1 and shapes[(2304, 16384, 768)] == 1  # proj's and qkv's wgrad
-    before = (matmul._BM, matmul._BN, matmul._BK, matmul._WARPS, matmul._STAGES, matmul._SMALL_OUT, matmul.PERSISTENT)
+
+    def state():
+        return (matmul._BM, matmul._BN, matmul._BK, matmul._WARPS, matmul._STAGES, matmul._LARGE_OUT,
+                matmul._SMALL_OUT, matmul._TINY_OUT, matmul.PERSISTENT)
+    before = state()
     with pytest.raises(RuntimeError):
         with sweep.tile((64, 64, 64, 4, 4), persistent=not matmul.PERSISTENT):
-            assert (matmul._BM, matmul._BN) == (64, 64) and matmul._SMALL_OUT == (64, 64, 64, 4, 4)
-            assert matmul.PERSISTENT is not before[-1]
+            assert state() == (64, 64, 64, 4, 4, *[(64, 64, 64, 4, 4)] * 3, not before[-1])
             raise RuntimeError("a tile that does not fit")
-    assert (matmul._BM, matmul._BN, matmul._BK, matmul._WARPS, matmul._STAGES, matmul._SMALL_OUT,
-            matmul.PERSISTENT) == before
+    assert state() == before
 
 
-def test_a_dense_launch_of_few_output_tiles_takes_the_small_output_tile(monkeypatch):
-    """On a GPU (132 SMs here) a dense launch whose output has fewer 256 x 128 tiles than SMs (a
-    weight gradient: d12's [768, 768] is 18) runs 128 x 128 tiles; a large output keeps the swept
-    default, and a grouped launch always does (its tile lists are made for BM)."""
+def test_a_dense_launch_takes_its_output_sizes_tile(monkeypatch):
+    """On a GPU (132 SMs here): a large output (at least as many 256 x 128 tiles as SMs) the default
+    tile, or the persistent kernel's; a weight gradient's small output 128 x 128 tiles, and one of
+    fewer 128 x 128 tiles than half the SMs 64 x 128; a grouped launch always the default (its
+    tile lists are made for BM). Every one steps through K by the same BK: the same bits."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(matmul, "_sm_count", lambda device: 132)
     default = (matmul._BM, matmul._BN, matmul._BK, matmul._WARPS, matmul._STAGES)
-    assert matmul._config(768, 768, False, "cuda") == matmul._SMALL_OUT
-    assert matmul._config(2304, 768, False, "cuda") == matmul._SMALL_OUT  # 9 x 6 = 54 tiles
+    assert matmul._config(768, 768, False, "cuda") == matmul._TINY_OUT  # 36 tiles of 128 x 128
+    assert matmul._config(2304, 768, False, "cuda") == matmul._SMALL_OUT  # 9 x 6 = 54 tiles of 256 x 128
     assert matmul._config(16384, 768, False, "cuda") == default  # 64 x 6 = 384 tiles
+    assert matmul._config(16384, 768, False, "cuda", persistent=True) == matmul._LARGE_OUT
     assert matmul._config(768, 768, True, "cuda") == default
-    assert matmul._SMALL_OUT[2] == matmul._BK  # the same K steps: the same bits
+    assert matmul._config(768, 768, True, "cuda", persistent=True) == default
+    assert {t[2] for t in (matmul._LARGE_OUT, matmul._SMALL_OUT, matmul._TINY_OUT)} == {matmul._BK}
 
 
 def test_the_dense_gemm_gives_the_same_bits_at_any_tile(monkeypatch):
@@ -297,12 +302,13 @@ def test_the_dense_gemm_gives_the_same_bits_at_any_tile(monkeypatch):
     tiles = ([(256, 128, 8, 4), (128, 128, 8, 4), (64, 64, 4, 4)] if a.is_cuda else
              [(16, 32, 4, 2), (64, 16, 4, 2), (32, 64, 4, 2)])
     for bm, bn, warps, stages in tiles:
-        monkeypatch.setattr(matmul, "_config", lambda m, n, grouped, device, t=(bm, bn, bk, warps, stages): t)
+        monkeypatch.setattr(matmul, "_config", lambda m, n, grouped, device, persistent=False,
+                            t=(bm, bn, bk, warps, stages): t)
         assert torch.equal(scaled_mm(a, b, alpha), want), (bm, bn)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the persistent kernel reads through TMA: a GPU")
-@pytest.mark.parametrize("m,n,k", [(300, 200, 256), (1024, 768, 768), (16, 40, 48), (2048, 256, 1000)])
+@pytest.mark.parametrize("m,n,k", [(300, 200, 256), (1024, 768, 768), (16, 40, 48), (2048, 256, 1000), (4200, 4100, 200)])
 @pytest.mark.parametrize("b_layout", ["k_major", "n_major"])
 def test_the_persistent_kernel_gives_the_tiled_kernels_bits(m, n, k, b_layout, monkeypatch):
     """matmul.PERSISTENT changes the schedule (one program an SM, each walking output tiles), not
