@@ -10,11 +10,15 @@ are byte-identical to fp4lab.formats (tested exhaustively under TRITON_INTERPRET
                           (r << 14) < the 22 dropped bits; below 1, r < (2v - floor(2v)) * 256 --
                           codes._shift_round's rule, up-probability ceil(256 frac) / 256
     e2m1_rtne_value(v), e2m1_stochastic_value(v, r)
-                          e2m1_value of those codes (unsigned), made without the code: for v >= 1
-                          the fp32 bits with the dropped 22 rounded away, below 1 the thresholds'
-                          0, .5 or 1 (what a kernel writing block values needs: fewer instructions)
+                          e2m1_value of those codes (unsigned), made without the code (what a
+                          kernel writing block values needs: fewer instructions). Nearest even:
+                          (v + c) - c with c the power of two whose fp32 step is the grid's step
+                          at v (2^22 below 2, 2^23, 2^24). Stochastic: for v >= 1 the bits plus
+                          0x3FFFFF - (r << 14), the dropped 22 cleared (the carry is the round up);
+                          below 1, up iff 512 v > r + 256 [v >= .5]
     e4m3_rtne(y)          0 <= y <= 448 fp32 -> E4M3 byte, codes._encode_magnitude in int32
-    e4m3_value(b)         E4M3 byte -> fp32 (exact, from the bit fields)
+    e4m3_value(b)         E4M3 byte -> fp32 (exact, from the bit fields); both by the GPU's
+                          conversion instructions when compiled (the integer forms interpreted)
     e2m1_value(c)         E2M1 nibble -> fp32;  scale_value(b, NVFP4): E4M3 / UE8M0 byte -> fp32
     philox_bytes(seed, g) Philox4x32-10 of counter g -> the 16 bytes of group g (rng.py's layout)
     widen(x, BF16_BITS)   loaded input (bf16 as int16 bits) -> fp32, exactly
@@ -73,12 +77,14 @@ def e2m1_rtne_value(v):
 def e2m1_stochastic_value(v, r):
     """v: fp32 magnitudes in [0, 6]; r: int32 random bytes -> fp32 e2m1_value(e2m1_stochastic(v, r))."""
     bits = v.to(tl.int32, bitcast=True)
-    up = ((r << 14) < (bits & 0x3FFFFF)).to(tl.int32)
-    normal = ((bits & -0x400000) + (up << 22)).to(tl.float32, bitcast=True)  # a carry makes the next power of 2
-    twice = v * 2.0
-    lo = (twice >= 1.0).to(tl.int32)
-    subnormal = lo + (r.to(tl.float32) < (twice - lo.to(tl.float32)) * 256.0).to(tl.int32)
-    return tl.where(bits >= 0x3F800000, normal, subnormal.to(tl.float32) * 0.5)
+    # v >= 1: up iff (r << 14) < the dropped 22 bits, i.e. iff adding 0x3FFFFF - (r << 14) carries
+    # into bit 22 (a carry out of the significand makes the next power of 2)
+    normal = ((bits + (0x3FFFFF - (r << 14))) & -0x400000).to(tl.float32, bitcast=True)
+    # v < 1: up iff r < frac(2v) * 256, i.e. iff 512 v > r + 256 [v >= .5] (512 v is exact)
+    half = v >= 0.5
+    up = v * 512.0 > (r | tl.where(half, 256, 0)).to(tl.float32)
+    subnormal = tl.where(up, tl.where(half, 1.0, 0.5), tl.where(half, 0.5, 0.0))
+    return tl.where(bits >= 0x3F800000, normal, subnormal)
 
 
 @triton.jit
