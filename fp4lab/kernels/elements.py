@@ -90,9 +90,13 @@ def e2m1_stochastic_value(v, r):
 @triton.jit
 def e4m3_rtne(y):
     """y: fp32 in [0, 448], finite -> int32 E4M3 bytes 0..0x7E (round to nearest even). On a GPU
-    its conversion instruction (cvt.rn.satfinite.e4m3x2.f32); interpreted, the integer form."""
-    if HARDWARE_CONVERT:
-        return y.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
+    its conversion instruction (cvt.rn.satfinite.e4m3x2.f32, inline); interpreted, the integer form."""
+    if HARDWARE_CONVERT:  # one value a conversion, in the low byte: Triton's own fp8 cast converts
+        # values in pairs and, in some layouts (a transposed bf16 tile's block scales), paired and
+        # unpaired them in different orders on an H100 (git d60a7ac): wrong scale bytes
+        return tl.inline_asm_elementwise(
+            "{ .reg .b16 t; cvt.rn.satfinite.e4m3x2.f32 t, 0f00000000, $1; cvt.u32.u16 $0, t; }",
+            "=r,r", [y], dtype=tl.int32, is_pure=True, pack=1)
     return _e4m3_rtne_integer(y)
 
 
@@ -116,8 +120,11 @@ def _e4m3_rtne_integer(y):
 @triton.jit
 def e4m3_value(b):
     """b: int32 E4M3 bytes (NaN excluded) -> fp32 values (exact: on a GPU by its conversion)."""
-    if HARDWARE_CONVERT:
-        return b.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    if HARDWARE_CONVERT:  # the byte's value through f16 (exact), one value a conversion (as above)
+        return tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi, c; .reg .b32 h; cvt.u16.u32 c, $1; cvt.rn.f16x2.e4m3x2 h, c; "
+            "mov.b32 {lo, hi}, h; cvt.f32.f16 $0, lo; }",
+            "=r,r", [b & 0xFF], dtype=tl.float32, is_pure=True, pack=1)
     return _e4m3_value_integer(b)
 
 
