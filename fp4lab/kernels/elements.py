@@ -37,10 +37,24 @@ import os
 
 import triton
 import triton.language as tl
+from triton.language.target_info import current_target
+from triton.runtime.jit import constexpr_function
 
 # compiled for a GPU (not run by Triton's interpreter): hardware conversions round as the spec does
 # (bf16 and E4M3, nearest even); the interpreter's truncate, so it takes the integer forms
 HARDWARE_CONVERT = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
+
+
+@constexpr_function
+def e4m3_instructions() -> bool:
+    """Whether this compile's target converts E4M3 in hardware: compiled (HARDWARE_CONVERT) for
+    NVIDIA sm_89 or later (Ada, Hopper, Blackwell; PTX 7.8's cvt e4m3x2). Older GPUs and other
+    backends take the integer forms. No active driver (an offline compile on a machine without a
+    GPU, e.g. tests/kernels/hopper_compile.py for sm_90) counts as a target that has them."""
+    if not HARDWARE_CONVERT.value:
+        return False
+    target = current_target()
+    return target is None or (target.backend == "cuda" and target.arch >= 89)
 
 
 @triton.jit
@@ -91,7 +105,7 @@ def e2m1_stochastic_value(v, r):
 def e4m3_rtne(y):
     """y: fp32 in [0, 448], finite -> int32 E4M3 bytes 0..0x7E (round to nearest even). On a GPU
     its conversion instruction (cvt.rn.satfinite.e4m3x2.f32, inline); interpreted, the integer form."""
-    if HARDWARE_CONVERT:  # one value a conversion, in the low byte: Triton's own fp8 cast converts
+    if e4m3_instructions():  # one value a conversion, in the low byte: Triton's own fp8 cast converts
         # values in pairs and, in some layouts (a transposed bf16 tile's block scales), paired and
         # unpaired them in different orders on an H100 (git d60a7ac): wrong scale bytes
         return tl.inline_asm_elementwise(
@@ -120,7 +134,7 @@ def _e4m3_rtne_integer(y):
 @triton.jit
 def e4m3_value(b):
     """b: int32 E4M3 bytes (NaN excluded) -> fp32 values (exact: on a GPU by its conversion)."""
-    if HARDWARE_CONVERT:  # the byte's value through f16 (exact), one value a conversion (as above)
+    if e4m3_instructions():  # the byte's value through f16 (exact), one value a conversion (as above)
         return tl.inline_asm_elementwise(
             "{ .reg .b16 lo, hi, c; .reg .b32 h; cvt.u16.u32 c, $1; cvt.rn.f16x2.e4m3x2 h, c; "
             "mov.b32 {lo, hi}, h; cvt.f32.f16 $0, lo; }",

@@ -206,10 +206,11 @@ def _scaled_mm_tma_kernel(a_desc, b_desc, c_ptr, alpha_ptr, tile_group_ptr, tile
 
 
 @triton.jit
-def _scaled_mm_persistent_kernel(a_desc, b_desc, c_ptr, alpha_ptr, M, N, K, s_cm, s_cn, B_KN: tl.constexpr,
-                                 BF16_OUT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                                 GROUP_M: tl.constexpr, PROGRAMS: tl.constexpr):
-    """The dense TMA GEMM as a persistent kernel: PROGRAMS programs (one an SM) walk the output
+def _scaled_mm_persistent_kernel(a_desc, b_desc, c_ptr, alpha_ptr, M, N, K, s_cm, s_cn, programs,
+                                 B_KN: tl.constexpr, BF16_OUT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                                 BK: tl.constexpr, GROUP_M: tl.constexpr):
+    """The dense TMA GEMM as a persistent kernel: ``programs`` programs (one an SM, at most one a
+    tile; a run-time number, so a new output size does not compile again) walk the output
     tiles in _tile's order, one K loop after another flattened into a single pipelined loop, so
     the loads of a program's next tile are in flight while it scales and stores the last (a short
     contraction, K = 768, spends a third of a tile's time outside its K loop). Each output element
@@ -217,16 +218,16 @@ def _scaled_mm_persistent_kernel(a_desc, b_desc, c_ptr, alpha_ptr, M, N, K, s_cm
     tiles_n = tl.cdiv(N, BN)
     tiles = tl.cdiv(M, BM) * tiles_n
     k_steps = tl.cdiv(K, BK)
-    tile = tl.program_id(0) - PROGRAMS
+    tile = tl.program_id(0) - programs
     row0, n0 = 0, 0
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     # one flattened loop over (this program's tiles) x (K steps): ki counts K steps within a tile
     ki = -1
-    steps = tl.cdiv(tiles - tl.program_id(0), PROGRAMS) * k_steps
+    steps = tl.cdiv(tiles - tl.program_id(0), programs) * k_steps
     for _ in tl.range(0, steps, flatten=True):
         ki = tl.where(ki == k_steps - 1, 0, ki + 1)
         if ki == 0:
-            tile += PROGRAMS
+            tile += programs
             _, row0, _, pid_n = _tile(tile, tile, tile, tile, M, N, False, BM, BN, GROUP_M)
             n0 = pid_n * BN
         a = a_desc.load([row0, ki * BK])
@@ -330,8 +331,8 @@ def _launch(a, b, out, alpha, grid, tiles, m, n, k, s_bg, s_alpha, grouped):
         epilogue = bm * bn * out.element_size()
         stages = max(1, min(stages, (_SHARED_BYTES - epilogue) // ((bm + bn) * bk * a.element_size())))
         _scaled_mm_persistent_kernel[(programs,)](a_desc, b_desc, out, alpha, m, n, k, out.stride(0), out.stride(1),
-                                                  B_KN=kn, BF16_OUT=out.dtype == torch.bfloat16, BM=bm, BN=bn, BK=bk,
-                                                  GROUP_M=8, PROGRAMS=programs, num_warps=warps, num_stages=stages)
+                                                  programs, B_KN=kn, BF16_OUT=out.dtype == torch.bfloat16, BM=bm,
+                                                  BN=bn, BK=bk, GROUP_M=8, num_warps=warps, num_stages=stages)
         return
     if tma is not None:
         a_desc, b_desc, kn, group_rows = tma

@@ -37,7 +37,8 @@ from them (gemms.call_at), so its results are bit-identical to the eager path's 
 Differences from the eager path, costs rather than results: an MoE projection's dgrad makes
 fprop's tiles of every expert again in one launch and transposes them, where eager keeps them
 (the same values, tested in nn.gemms; each expert's weight quantized alone cost two launches an
-expert), and a dithered weight is dithered again in backward (the same seed). Operand
+expert), and where dgrad does not multiply fprop's tiles, a dithered weight is dithered again in
+backward (the same seed). Operand
 statistics (a Python side effect) are not collected here: layers with ``context.collect`` take
 the eager path.
 

@@ -133,8 +133,25 @@ def test_the_gpus_e4m3_conversions_are_the_integer_forms_on_every_fp32_in_range(
     mismatch = torch.zeros(1, dtype=torch.int32, device="cuda")
     _e4m3_encode_forms_kernel[(triton.cdiv(n, 1024),)](mismatch, n, BLOCK=1024)
     assert int(mismatch) == 0
-    every_byte = torch.arange(0x7F, dtype=torch.int32, device="cuda")  # 0 .. 0x7E, every finite magnitude
-    got, integer = torch.empty(0x7F, device="cuda"), torch.empty(0x7F, device="cuda")
-    _e4m3_value_kernel[(1,)](every_byte, got, integer, 0x7F, BLOCK=128)
-    want = C.decode_e4m3(torch.arange(0x7F, dtype=torch.uint8))
+    # every finite byte, negative ones included (a decoder passes the sign bit)
+    finite = torch.cat([torch.arange(0x7F), torch.arange(0x80, 0xFF)])
+    got, integer = torch.empty(finite.numel(), device="cuda"), torch.empty(finite.numel(), device="cuda")
+    _e4m3_value_kernel[(1,)](finite.int().cuda(), got, integer, finite.numel(), BLOCK=256)
+    want = C.decode_e4m3(finite.to(torch.uint8))
     assert torch.equal(got.cpu(), want) and torch.equal(integer.cpu(), want)
+
+
+def test_the_e4m3_instructions_are_asked_of_targets_that_have_them(monkeypatch):
+    """The inline E4M3 conversions need sm_89 (PTX 7.8): an older NVIDIA GPU or another backend
+    compiles the integer forms, and so does the interpreter; an offline compile with no driver
+    (tests/kernels/hopper_compile.py) takes the instructions."""
+    from triton.backends.compiler import GPUTarget
+    import fp4lab.kernels.elements as E
+    monkeypatch.setattr(E, "HARDWARE_CONVERT", tl.constexpr(True))
+    for target, has in [(GPUTarget("cuda", 90, 32), True), (GPUTarget("cuda", 89, 32), True),
+                        (GPUTarget("cuda", 100, 32), True), (GPUTarget("cuda", 80, 32), False),
+                        (GPUTarget("hip", "gfx942", 64), False), (None, True)]:
+        monkeypatch.setattr(E, "current_target", lambda t=target: t)
+        assert E.e4m3_instructions() is has, target
+    monkeypatch.setattr(E, "HARDWARE_CONVERT", tl.constexpr(False))
+    assert E.e4m3_instructions() is False

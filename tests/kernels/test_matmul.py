@@ -1,10 +1,12 @@
 """kernels.matmul: alpha * (A @ B^T) with FP32 accumulation, dense and grouped, against float64."""
 
+import os
+
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
 
 from fp4lab.kernels import matmul  # noqa: E402
 from fp4lab.kernels.matmul import contraction_grouped_mm, grouped_scaled_mm, scaled_mm  # noqa: E402
@@ -301,10 +303,12 @@ def test_the_dense_gemm_gives_the_same_bits_at_any_tile(monkeypatch):
     # on a GPU the tiles the sweep measured (one MMA kind: warpgroup tiles); interpreted, small ones
     tiles = ([(256, 128, 8, 4), (128, 128, 8, 4), (64, 64, 4, 4)] if a.is_cuda else
              [(16, 32, 4, 2), (64, 16, 4, 2), (32, 64, 4, 2)])
-    for bm, bn, warps, stages in tiles:
-        monkeypatch.setattr(matmul, "_config", lambda m, n, grouped, device, persistent=False,
-                            t=(bm, bn, bk, warps, stages): t)
-        assert torch.equal(scaled_mm(a, b, alpha), want), (bm, bn)
+    for persistent in (False, True):  # (on a GPU both dense kernels; the interpreter has the one)
+        monkeypatch.setattr(matmul, "PERSISTENT", persistent)
+        for bm, bn, warps, stages in tiles:
+            monkeypatch.setattr(matmul, "_config", lambda m, n, grouped, device, persistent=False,
+                                t=(bm, bn, bk, warps, stages): t)
+            assert torch.equal(scaled_mm(a, b, alpha), want), (bm, bn, persistent)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the persistent kernel reads through TMA: a GPU")
@@ -325,3 +329,26 @@ def test_the_persistent_kernel_gives_the_tiled_kernels_bits(m, n, k, b_layout, m
         want = scaled_mm(a, b, alpha, out_dtype=out_dtype)
         monkeypatch.setattr(matmul, "PERSISTENT", True)
         assert torch.equal(scaled_mm(a, b, alpha, out_dtype=out_dtype), want), out_dtype
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the interpreter's run of the persistent loop "
+                    "(on a GPU, test_the_persistent_kernel_gives_the_tiled_kernels_bits)")
+@pytest.mark.parametrize("m,n,k", [(50, 72, 40), (16, 16, 16), (200, 36, 20)])
+@pytest.mark.parametrize("programs", [1, 3, 5])
+@pytest.mark.parametrize("b_kn", [False, True])
+def test_the_persistent_loop_visits_every_tile_once(m, n, k, programs, b_kn):
+    """The flattened loop's bookkeeping (a program's next tile every K steps, ragged M and N, a K
+    that is no multiple of BK, fewer programs than tiles), run by the interpreter on small tiles
+    through host tensor descriptors: small integers, so every product and sum is exact."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    g = torch.Generator().manual_seed(m + n + k)
+    a = torch.randint(-3, 4, (m, k), generator=g).float()
+    b = torch.randint(-3, 4, (n, k), generator=g).float()
+    out = torch.full((m, n), float("nan"))
+    programs = min(programs, triton.cdiv(m, 16) * triton.cdiv(n, 32))
+    b_desc = (TensorDescriptor.from_tensor(b.T.contiguous(), [16, 32]) if b_kn
+              else TensorDescriptor.from_tensor(b, [32, 16]))
+    matmul._scaled_mm_persistent_kernel[(programs,)](
+        TensorDescriptor.from_tensor(a, [16, 16]), b_desc, out, torch.tensor([0.5]), m, n, k, out.stride(0),
+        out.stride(1), programs, B_KN=b_kn, BF16_OUT=False, BM=16, BN=32, BK=16, GROUP_M=2)
+    assert torch.equal(out, (a @ b.T) * 0.5)

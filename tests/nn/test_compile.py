@@ -132,23 +132,24 @@ def test_the_ops_equal_the_autograd_function_bit_for_bit(grouped, sizes, backend
 
 
 @pytest.mark.parametrize("recipe_name,keeps", [("nvfp4", True), ("bf16", False), ("mxfp4", True)])
-@pytest.mark.parametrize("n", [48, 40])
-def test_the_forward_ops_outputs_are_what_its_fake_says(recipe_name, keeps, n):
+@pytest.mark.parametrize("n,k", [(48, 64), (40, 64), (40, 40)])
+def test_the_forward_ops_outputs_are_what_its_fake_says(recipe_name, keeps, n, k):
     """torch.library.opcheck: the fake (what a compiled graph plans for) gives the real op's
     outputs' shapes and dtypes, wgrad's copy of x included where gemms.keeps_x_wgrad says, and
-    fprop's weight tiles where gemms.keeps_w_values says (NVFP4's 16x16 weights; 40 rows pad to 48)."""
+    fprop's weight tiles where gemms.keeps_w_values says (NVFP4's 16x16 weights: 40 rows or
+    columns pad to 48)."""
     from fp4lab.nn.ops import recipe_index
     recipe = preset(recipe_name)
     g = torch.Generator().manual_seed(0)
-    x, w = torch.randn(40, 64, generator=g), torch.randn(1, n, 64, generator=g)
+    x, w = torch.randn(40, k, generator=g), torch.randn(1, n, k, generator=g)
     layers = torch.tensor([layer_key("a")])
     args = (x, w, None, [40], None, layers, recipe_index(recipe), QuantContext().clock, 0, -1, False, True, True)
     torch.library.opcheck(torch.ops.fp4lab.gemms.default, args, test_utils=("test_schema", "test_faketensor"))
     _, xw, scale, wv, w_scale = torch.ops.fp4lab.gemms(*args)
-    assert xw.shape == ((64, 64) if keeps else (0,)) and xw.dtype == torch.bfloat16
+    assert xw.shape == ((k, 64) if keeps else (0,)) and xw.dtype == torch.bfloat16
     assert scale.shape == (() if recipe_name == "nvfp4" else (0,))
     tiles = recipe_name == "nvfp4"  # the one preset of the three with 16x16 weight tiles
-    assert wv.shape == ((48, 64) if tiles else (0,)) and wv.dtype == torch.bfloat16
+    assert wv.shape == ((48, k + (-k % 16)) if tiles else (0,)) and wv.dtype == torch.bfloat16
     assert w_scale.shape == (() if tiles else (0,))
     no_grads = args[:-2] + (False, False)  # nothing kept where no gradient follows
     assert [t.numel() for t in torch.ops.fp4lab.gemms(*no_grads)[1:]] == [0, 0, 0, 0]
