@@ -41,7 +41,7 @@ from triton.language.target_info import current_target
 from triton.runtime.jit import constexpr_function
 
 # compiled for a GPU (not run by Triton's interpreter): hardware conversions round as the spec does
-# (bf16 and E4M3, nearest even); the interpreter's truncate, so it takes the integer forms
+# (bf16 and E4M3, nearest even); the interpreter runs the integer forms (its bf16 cast truncates)
 HARDWARE_CONVERT = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 
 
@@ -105,9 +105,9 @@ def e2m1_stochastic_value(v, r):
 def e4m3_rtne(y):
     """y: fp32 in [0, 448], finite -> int32 E4M3 bytes 0..0x7E (round to nearest even). On a GPU
     its conversion instruction (cvt.rn.satfinite.e4m3x2.f32, inline); interpreted, the integer form."""
-    if e4m3_instructions():  # one value a conversion, in the low byte: Triton's own fp8 cast converts
-        # values in pairs and, in some layouts (a transposed bf16 tile's block scales), paired and
-        # unpaired them in different orders on an H100 (git d60a7ac): wrong scale bytes
+    if e4m3_instructions():  # one value a conversion, in the low byte: Triton's own fp8 cast (which
+        # converts values in pairs) gave wrong bytes for a transposed bf16 tile's block scales on an
+        # H100 (git d60a7ac, benchmarks/results/e4m3_forms_h100.log)
         return tl.inline_asm_elementwise(
             "{ .reg .b16 t; cvt.rn.satfinite.e4m3x2.f32 t, 0f00000000, $1; cvt.u32.u16 $0, t; }",
             "=r,r", [y], dtype=tl.int32, is_pure=True, pack=1)
