@@ -18,7 +18,8 @@ are byte-identical to fp4lab.formats (tested exhaustively under TRITON_INTERPRET
                           below 1, up iff 512 v > r + 256 [v >= .5]
     e4m3_rtne(y)          0 <= y <= 448 fp32 -> E4M3 byte, codes._encode_magnitude in int32
     e4m3_value(b)         E4M3 byte -> fp32 (exact, from the bit fields); both by the GPU's
-                          conversion instructions when compiled (the integer forms interpreted)
+                          conversion instructions when compiled for sm_89+ (e4m3_instructions),
+                          the integer forms elsewhere and interpreted
     e2m1_value(c)         E2M1 nibble -> fp32;  scale_value(b, NVFP4): E4M3 / UE8M0 byte -> fp32
     philox_bytes(seed, g) Philox4x32-10 of counter g -> the 16 bytes of group g (rng.py's layout)
     widen(x, BF16_BITS)   loaded input (bf16 as int16 bits) -> fp32, exactly
