@@ -1,0 +1,132 @@
+"""Where an eager FP4 step's host time goes: Triton's launches against everything else.
+
+    python benchmarks/host_split.py [--model d12 --batch 16 --seq 1024] [--steps 20]
+
+An eager FP4 step is host-bound where its host time exceeds its GPU time (bench_model's eager
+rows against its graphed ones). This splits the host time three ways, side by side in one run:
+
+- ``wall``: the step as it runs (host-bound here, so host time);
+- ``triton``: the host time inside Triton's launch path (JITFunction.run: binding the
+  arguments, its specialization key, the launcher), timed around every launch, per kernel;
+- ``no_launch``: the same step with every Triton launch skipped (outputs left unwritten; nothing
+  on the host reads them): fp4lab's Python and torch's own ops and launches.
+
+For one NVFP4 linear fwd+bwd at a shape where the GPU work is small (host-bound by far) and for
+bench_model's eager step of ``--model``, NVFP4 and BF16. Writes benchmarks/results/host_split.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.bench_linear import bf16_step, nvfp4_step, tensors  # noqa: E402
+from benchmarks.bench_model import make_step, step_arguments  # noqa: E402
+from benchmarks.common import environment, save  # noqa: E402
+
+
+class LaunchClock:
+    """Times the host side of every Triton launch (JITFunction.run), per kernel; ``skip``: launch nothing."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+        self.skip = False
+
+    @contextlib.contextmanager
+    def installed(self):
+        from triton.runtime.jit import JITFunction
+        original = JITFunction.run
+
+        def run(fn, *args, **kwargs):
+            name = fn.fn.__name__
+            self.calls[name] += 1
+            if self.skip:
+                return None
+            start = time.perf_counter()
+            try:
+                return original(fn, *args, **kwargs)
+            finally:
+                self.seconds[name] += time.perf_counter() - start
+        JITFunction.run = run
+        try:
+            yield self
+        finally:
+            JITFunction.run = original
+
+    def reset(self) -> None:
+        self.seconds.clear()
+        self.calls.clear()
+
+
+def per_step_us(fn, steps: int) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for i in range(steps):
+        fn(i)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / steps * 1e6
+
+
+def split(fn, steps: int, warmup: int, clock: LaunchClock) -> dict:
+    """The three timings of fn(i) (module doc) and each kernel's launches and host µs per step."""
+    for i in range(warmup):
+        fn(i)
+    wall = per_step_us(fn, steps)
+    clock.reset()
+    timed = per_step_us(fn, steps)  # (the same step with each launch timed: its wrapper's cost included)
+    kernels = {name: {"launches": clock.calls[name] / steps, "host_us": clock.seconds[name] / steps * 1e6}
+               for name in sorted(clock.calls, key=lambda n: -clock.seconds[n])}
+    triton_us = sum(k["host_us"] for k in kernels.values())
+    clock.skip = True
+    try:
+        no_launch = per_step_us(fn, steps)
+    finally:
+        clock.skip = False
+    launches = sum(k["launches"] for k in kernels.values())
+    return {"wall_us": wall, "wall_timed_us": timed, "triton_us": triton_us, "no_launch_us": no_launch,
+            "launches": launches, "triton_us_per_launch": triton_us / launches if launches else 0.0,
+            "kernels": kernels}
+
+
+def show(label: str, row: dict) -> None:
+    print(f"{label}: wall {row['wall_us']:.0f} us; Triton launches {row['launches']:.0f} taking "
+          f"{row['triton_us']:.0f} us ({row['triton_us_per_launch']:.1f} us each); without launching "
+          f"{row['no_launch_us']:.0f} us", flush=True)
+    for name, k in list(row["kernels"].items())[:8]:
+        print(f"    {name}: {k['launches']:.1f} launches, {k['host_us']:.0f} us", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    step_arguments(parser, warmup=3, steps=10)
+    parser.add_argument("--linear", type=int, nargs=3, default=[1024, 1024, 1024], metavar=("M", "K", "N"))
+    parser.add_argument("--linear-steps", type=int, default=200)
+    parser.add_argument("--no-model", action="store_true", help="the linear layer only")
+    args = parser.parse_args()
+    clock = LaunchClock()
+    rows = {}
+    with clock.installed():
+        x, w, dy = tensors(*args.linear)
+        rows["linear_bf16"] = split(lambda i: bf16_step(x, w, dy), args.linear_steps, 20, clock)
+        rows["linear_nvfp4"] = split(lambda i: nvfp4_step(x, w, dy), args.linear_steps, 20, clock)
+        show(f"linear {args.linear} bf16", rows["linear_bf16"])
+        show(f"linear {args.linear} nvfp4", rows["linear_nvfp4"])
+        if not args.no_model:
+            for arm in ("bf16", "nvfp4"):
+                rows[f"{args.model}_{arm}"] = split(make_step(arm, "eager", args), args.steps, args.warmup, clock)
+                show(f"{args.model} {arm} eager step", rows[f"{args.model}_{arm}"])
+    payload = {**environment(), "linear": args.linear, "model": args.model, "batch": args.batch, "seq": args.seq,
+               "rows": rows}
+    save("host_split", payload, {})
+
+
+if __name__ == "__main__":
+    main()
