@@ -9,7 +9,12 @@ rows against its graphed ones). This splits the host time three ways, side by si
 - ``triton``: the host time inside Triton's launch path (JITFunction.run: binding the
   arguments, its specialization key, the launcher), timed around every launch, per kernel;
 - ``no_launch``: the same step with every Triton launch skipped (outputs left unwritten; nothing
-  on the host reads them): fp4lab's Python and torch's own ops and launches.
+  on the host reads them): fp4lab's Python and torch's own ops and launches;
+- ``gc``: the time Python's garbage collector ran during the wall timing, by generation, and
+  ``wall_gc_off``: the step with the collector switched off (what a training loop that collects
+  by hand between steps would pay).
+
+Each timing is the median of ``--rounds`` rounds, taken in turns.
 
 For one NVFP4 linear fwd+bwd at a shape where the GPU work is small (host-bound by far) and for
 bench_model's eager step of ``--model``, NVFP4 and BF16. Writes benchmarks/results/host_split.json.
@@ -19,6 +24,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
+import statistics
 import sys
 import time
 from collections import defaultdict
@@ -66,32 +73,72 @@ class LaunchClock:
         self.calls.clear()
 
 
-def per_step_us(fn, steps: int) -> float:
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for i in range(steps):
-        fn(i)
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / steps * 1e6
+class GcClock:
+    """Time spent in Python's garbage collector, per generation (gc.callbacks)."""
+
+    def __init__(self) -> None:
+        self.seconds = [0.0, 0.0, 0.0]
+        self.runs = [0, 0, 0]
+        self._start = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.seconds[info["generation"]] += time.perf_counter() - self._start
+            self.runs[info["generation"]] += 1
+
+    @contextlib.contextmanager
+    def installed(self):
+        gc.callbacks.append(self)
+        try:
+            yield self
+        finally:
+            gc.callbacks.remove(self)
 
 
-def split(fn, steps: int, warmup: int, clock: LaunchClock) -> dict:
-    """The three timings of fn(i) (module doc) and each kernel's launches and host µs per step."""
+def per_step_us(fn, steps: int, *, collector: bool = True) -> float:
+    torch.cuda.synchronize()
+    if not collector:
+        gc.collect()
+        gc.disable()
+    try:
+        start = time.perf_counter()
+        for i in range(steps):
+            fn(i)
+        torch.cuda.synchronize()
+        return (time.perf_counter() - start) / steps * 1e6
+    finally:
+        gc.enable()
+
+
+def split(fn, steps: int, warmup: int, rounds: int, clock: LaunchClock) -> dict:
+    """The timings of fn(i) (module doc), each kernel's launches and host µs per step, the collector's time."""
     for i in range(warmup):
         fn(i)
-    wall = per_step_us(fn, steps)
-    clock.reset()
-    timed = per_step_us(fn, steps)  # (the same step with each launch timed: its wrapper's cost included)
-    kernels = {name: {"launches": clock.calls[name] / steps, "host_us": clock.seconds[name] / steps * 1e6}
-               for name in sorted(clock.calls, key=lambda n: -clock.seconds[n])}
-    triton_us = sum(k["host_us"] for k in kernels.values())
-    clock.skip = True
-    try:
-        no_launch = per_step_us(fn, steps)
-    finally:
-        clock.skip = False
+    walls, timed, no_launch, gc_off = [], [], [], []
+    collector = GcClock()
+    for _ in range(rounds):
+        with collector.installed():
+            walls.append(per_step_us(fn, steps))
+        clock.reset()
+        timed.append(per_step_us(fn, steps))  # (each launch timed: its wrapper's cost included)
+        kernels = {name: {"launches": clock.calls[name] / steps, "host_us": clock.seconds[name] / steps * 1e6}
+                   for name in sorted(clock.calls, key=lambda n: -clock.seconds[n])}
+        clock.skip = True
+        try:
+            no_launch.append(per_step_us(fn, steps))
+        finally:
+            clock.skip = False
+        gc_off.append(per_step_us(fn, steps, collector=False))
+    triton_us = sum(k["host_us"] for k in kernels.values())  # (the last round's)
     launches = sum(k["launches"] for k in kernels.values())
-    return {"wall_us": wall, "wall_timed_us": timed, "triton_us": triton_us, "no_launch_us": no_launch,
+    per_step = rounds * steps
+    return {"wall_us": statistics.median(walls), "wall_rounds_us": walls, "wall_timed_us": statistics.median(timed),
+            "triton_us": triton_us, "no_launch_us": statistics.median(no_launch),
+            "wall_gc_off_us": statistics.median(gc_off), "gc_us": sum(collector.seconds) / per_step * 1e6,
+            "gc_us_by_generation": [s / per_step * 1e6 for s in collector.seconds],
+            "gc_runs_per_step": [n / per_step for n in collector.runs],
             "launches": launches, "triton_us_per_launch": triton_us / launches if launches else 0.0,
             "kernels": kernels}
 
@@ -99,7 +146,9 @@ def split(fn, steps: int, warmup: int, clock: LaunchClock) -> dict:
 def show(label: str, row: dict) -> None:
     print(f"{label}: wall {row['wall_us']:.0f} us; Triton launches {row['launches']:.0f} taking "
           f"{row['triton_us']:.0f} us ({row['triton_us_per_launch']:.1f} us each); without launching "
-          f"{row['no_launch_us']:.0f} us", flush=True)
+          f"{row['no_launch_us']:.0f} us; collector {row['gc_us']:.0f} us (runs per step by generation "
+          f"{', '.join(f'{n:.2f}' for n in row['gc_runs_per_step'])}), wall with it off {row['wall_gc_off_us']:.0f} us",
+          flush=True)
     for name, k in list(row["kernels"].items())[:8]:
         print(f"    {name}: {k['launches']:.1f} launches, {k['host_us']:.0f} us", flush=True)
 
@@ -109,19 +158,21 @@ def main() -> None:
     step_arguments(parser, warmup=3, steps=10)
     parser.add_argument("--linear", type=int, nargs=3, default=[1024, 1024, 1024], metavar=("M", "K", "N"))
     parser.add_argument("--linear-steps", type=int, default=200)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--no-model", action="store_true", help="the linear layer only")
     args = parser.parse_args()
     clock = LaunchClock()
     rows = {}
     with clock.installed():
         x, w, dy = tensors(*args.linear)
-        rows["linear_bf16"] = split(lambda i: bf16_step(x, w, dy), args.linear_steps, 20, clock)
-        rows["linear_nvfp4"] = split(lambda i: nvfp4_step(x, w, dy), args.linear_steps, 20, clock)
+        rows["linear_bf16"] = split(lambda i: bf16_step(x, w, dy), args.linear_steps, 20, args.rounds, clock)
+        rows["linear_nvfp4"] = split(lambda i: nvfp4_step(x, w, dy), args.linear_steps, 20, args.rounds, clock)
         show(f"linear {args.linear} bf16", rows["linear_bf16"])
         show(f"linear {args.linear} nvfp4", rows["linear_nvfp4"])
         if not args.no_model:
             for arm in ("bf16", "nvfp4"):
-                rows[f"{args.model}_{arm}"] = split(make_step(arm, "eager", args), args.steps, args.warmup, clock)
+                rows[f"{args.model}_{arm}"] = split(make_step(arm, "eager", args), args.steps, args.warmup,
+                                                    args.rounds, clock)
                 show(f"{args.model} {arm} eager step", rows[f"{args.model}_{arm}"])
     payload = {**environment(), "linear": args.linear, "model": args.model, "batch": args.batch, "seq": args.seq,
                "rows": rows}

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -55,8 +56,16 @@ class Format(Choice):
     @property
     def spec(self):
         """-> spec.FormatSpec (ValueError for BF16)."""
-        from .spec import spec_of  # the table imports the quantizers, which import this module
-        return spec_of(self)
+        return _spec_of()(self)
+
+
+@functools.cache
+def _spec_of():
+    """spec.spec_of, imported on first use (the table imports the quantizers, which import this
+    module), then kept: an import statement in ``Format.spec`` cost each of an FP4 linear's dozen
+    calls a step a trip through the import system."""
+    from .spec import spec_of
+    return spec_of
 
 
 class Rounding(Choice):

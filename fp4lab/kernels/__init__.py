@@ -21,7 +21,7 @@ same exact products, an FP32 accumulation, alpha once.
 Files: elements.py (device functions for codes), quantize.py (NVFP4/MXFP4 quantize, fused
 Hadamard), amax.py (tensor amax pass), decode.py (dequantize), gemm.py (emulated FP4 GEMM),
 operand.py (BlockValues: a quantized operand decoded for BF16 tensor cores), matmul.py (scaled
-BF16 GEMM with alpha in the epilogue, dense and grouped).
+BF16 GEMM with alpha in the epilogue, dense and grouped), host.py (launch sizing arithmetic).
 Speed: benchmarks/README.md; correctness: tests/kernels (bytes equal to fp4lab.formats).
 
 Public: ``Backend``, ``FAST_QUANTIZERS``, ``quantize_as``, ``quantize_nvfp4``, ``quantize_mxfp4``,
@@ -33,6 +33,7 @@ Public: ``Backend``, ``FAST_QUANTIZERS``, ``quantize_as``, ``quantize_nvfp4``, `
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import warnings
@@ -67,21 +68,36 @@ def uses_triton(x: torch.Tensor | torch.device, backend: str | Backend | None = 
     """Whether calls on ``x`` (a tensor, or tensors on a device) run Triton kernels under
     ``backend`` (None: FP4LAB_BACKEND, else auto)."""
     device = x if isinstance(x, torch.device) else x.device
-    choice = Backend.parse(backend or os.environ.get("FP4LAB_BACKEND", "auto"))
+    runs, warning = _backend_rule(backend or os.environ.get("FP4LAB_BACKEND", "auto"), device.type,
+                                  os.environ.get("TRITON_INTERPRET") == "1")
+    if warning:
+        _warn_once(warning)
+    return runs
+
+
+@functools.lru_cache(maxsize=64)  # (asked half a dozen times an FP4 linear's step)
+def _backend_rule(backend: str | Backend, device_type: str, interpreted: bool) -> tuple[bool, str | None]:
+    """uses_triton's answer for a backend name, a device type and the interpreter switch, with
+    the warning it gives, if any (errors are raised, and so never cached)."""
+    choice = Backend.parse(backend)
     if choice is Backend.REFERENCE:
-        return False
-    has_triton = importlib.util.find_spec("triton") is not None
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+        return False, None
+    has_triton = _triton_installed()
     if choice is Backend.TRITON:
         if not has_triton:
             raise RuntimeError("backend='triton' needs the triton package (pip install triton)")
-        if not (device.type == "cuda" or interpreted):
-            raise RuntimeError(f"backend='triton' needs a CUDA tensor or TRITON_INTERPRET=1, got {device}")
-        return True
-    if device.type == "cuda" and not has_triton:
-        _warn_once("triton is not installed: fp4lab uses its (slow) reference kernels on CUDA")
-        return False
-    return device.type == "cuda"
+        if not (device_type == "cuda" or interpreted):
+            raise RuntimeError(f"backend='triton' needs a CUDA tensor or TRITON_INTERPRET=1, got {device_type}")
+        return True, None
+    if device_type == "cuda" and not has_triton:
+        return False, "triton is not installed: fp4lab uses its (slow) reference kernels on CUDA"
+    return device_type == "cuda", None
+
+
+@functools.cache
+def _triton_installed() -> bool:
+    """Whether the triton package is there, asked once (an FP4 linear's step asks half a dozen times)."""
+    return importlib.util.find_spec("triton") is not None
 
 
 FAST_QUANTIZERS: dict[Format, tuple[str, str]] = {
@@ -157,9 +173,9 @@ def quantize_values_pair(x: torch.Tensor, fmt: str | Format, *, rows: dict, colu
         raise ValueError(f"quantize_values_pair: x {tuple(x.shape)} needs to be a matrix whose rows, padded to "
                          f"columns_len = {columns_len}, are a whole number of {spec.block_len}-blocks")
     if uses_triton(x, backend):
-        from .quantize import block_values_pair, pair_refusal
+        from .quantize import pair_refusal, unchecked_block_values_pair
         if pair_refusal(x, spec.format, rows, columns, columns_len) is None:
-            return block_values_pair(x, spec.format, rows=rows, columns=columns, columns_len=columns_len)
+            return unchecked_block_values_pair(x, spec.format, rows=rows, columns=columns, columns_len=columns_len)
     padded = torch.nn.functional.pad(x, (0, 0, 0, columns_len - x.shape[0])) if columns_len > x.shape[0] else x
     return (quantize_values(x, spec.format, backend=backend, **{"pad": True, **rows, "axis": 1}),
             quantize_values(padded, spec.format, backend=backend, **{"pad": True, **columns, "axis": 0}))

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from .elements import group_of, widen
+from .host import cdiv, sm_count
 
 GROUPED_TILE = (32, 128)  # (rows, columns) per program of the grouped pass
 
@@ -41,10 +42,10 @@ def finite_amax(x: torch.Tensor) -> torch.Tensor:
     out = torch.zeros(1, dtype=torch.int32, device=x.device)
     if flat.numel():
         block = 2048
-        programs = 4 * (torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 1)
-        chunk = triton.cdiv(triton.cdiv(flat.numel(), programs), block) * block
+        programs = 4 * sm_count(x.device)
+        chunk = cdiv(cdiv(flat.numel(), programs), block) * block
         bf16 = flat.dtype == torch.bfloat16
-        _finite_amax_kernel[(triton.cdiv(flat.numel(), chunk),)](flat.view(torch.int16) if bf16 else flat, out,
+        _finite_amax_kernel[(cdiv(flat.numel(), chunk),)](flat.view(torch.int16) if bf16 else flat, out,
                                                                  flat.numel(), chunk, BF16_BITS=bf16, BLOCK=block)
     return out.view(torch.float32).reshape(())
 
@@ -77,7 +78,7 @@ def grouped_finite_amax(x: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
     if x.numel():
         br, bc = GROUPED_TILE
         bf16 = x.dtype == torch.bfloat16
-        _grouped_amax_kernel[(triton.cdiv(x.shape[0], br),)](x.view(torch.int16) if bf16 else x, out, starts,
+        _grouped_amax_kernel[(cdiv(x.shape[0], br),)](x.view(torch.int16) if bf16 else x, out, starts,
                                                             starts.numel(), x.shape[0], x.shape[1],
                                                             BF16_BITS=bf16, BR=br, BC=bc)
     return out.view(torch.float32)

@@ -18,6 +18,7 @@ from ..formats.dequantize import check_dequantize_args
 from ..formats.layout import with_scale_layout
 from ..formats.types import Format, FP4Tensor, ScaleLayout
 from .elements import e2m1_value, scale_value, to_bf16_rtne
+from .host import cdiv
 
 _OUT_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -71,7 +72,7 @@ def _decode(q: FP4Tensor, dtype: torch.dtype, tensor_scale: bool, out: torch.Ten
     if out.numel():
         nvfp4 = q.format is Format.NVFP4
         br, bc = 32, 128
-        grid = (triton.cdiv(rows, br), triton.cdiv(lp, bc))
+        grid = (cdiv(rows, br), cdiv(lp, bc))
         _dequantize_kernel[grid](q.codes, q.scales.view(torch.uint8), q.tensor_scale if tensor_scale else q.codes,
                                  out, rows, lp, BLOCK=q.block_len, NVFP4=nvfp4, TENSOR_SCALE=tensor_scale,
                                  BF16=dtype == torch.bfloat16, BR=br, BC=bc)

@@ -39,6 +39,7 @@ from ..formats.layout import with_scale_layout
 from ..formats.types import Format, FP4Tensor, ScaleLayout, Choice
 from .decode import block_values
 from .elements import e2m1_value, scale_value
+from .host import cdiv
 from .matmul import grouped_scaled_mm, scaled_mm
 
 
@@ -116,7 +117,7 @@ def fp4_mm(qa: FP4Tensor, qb: FP4Tensor, *, out_dtype: torch.dtype = torch.float
         return out.zero_()
     nvfp4 = qa.format is Format.NVFP4
     bm, bn, bk = 128, 128, 64  # H100: 8 warps, 3 stages
-    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    grid = (cdiv(m, bm) * cdiv(n, bn),)
     dummy = qa.codes
     _fp4_mm_kernel[grid](qa.codes, qa.scales.view(torch.uint8), qb.codes, qb.scales.view(torch.uint8),
                          qa.tensor_scale if nvfp4 else dummy, qb.tensor_scale if nvfp4 else dummy, out,

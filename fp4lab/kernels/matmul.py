@@ -34,7 +34,6 @@ Public: ``scaled_mm``, ``grouped_scaled_mm``, ``contraction_grouped_mm``.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import math
 import os
@@ -45,6 +44,7 @@ import triton
 import triton.language as tl
 
 from .elements import to_bf16_rtne, widen
+from .host import cdiv, sm_count
 from .operand import device_counts
 
 # tiles for H100/H200 (benchmarks/NOTES.md: a sweep at 8192^3): 256 x 128 x 64, 8 warps, 4 stages
@@ -303,15 +303,10 @@ def _config(m: int, n: int, grouped: bool, device: torch.device, persistent: boo
     (the table above), the persistent kernel's at a large output."""
     if grouped or os.environ.get("TRITON_INTERPRET") == "1":
         return (*_tile_shape(), _WARPS, _STAGES)
-    sms = _sm_count(device)
-    if triton.cdiv(m, _BM) * triton.cdiv(n, _BN) >= sms:
+    sms = sm_count(device)
+    if cdiv(m, _BM) * cdiv(n, _BN) >= sms:
         return _LARGE_OUT if persistent else (_BM, _BN, _BK, _WARPS, _STAGES)
-    return _TINY_OUT if 2 * triton.cdiv(m, 128) * triton.cdiv(n, 128) < sms else _SMALL_OUT
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return _TINY_OUT if 2 * cdiv(m, 128) * cdiv(n, 128) < sms else _SMALL_OUT
 
 
 def _launch(a, b, out, alpha, grid, tiles, m, n, k, s_bg, s_alpha, grouped):
@@ -325,7 +320,7 @@ def _launch(a, b, out, alpha, grid, tiles, m, n, k, s_bg, s_alpha, grouped):
         bm, bn, bk, warps, stages = _config(m, n, grouped, a.device)
     elif persistent:
         a_desc, b_desc, kn, _ = tma
-        programs = min(_sm_count(a.device), triton.cdiv(m, bm) * triton.cdiv(n, bn))
+        programs = min(sm_count(a.device), cdiv(m, bm) * cdiv(n, bn))
         # the epilogue's staging tile stays allocated beside the pipeline's buffers (the next
         # tile's loads are in flight): as many stages as fit beside it in an SM's shared memory
         epilogue = bm * bn * out.element_size()
@@ -359,7 +354,7 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, alpha: torch.Tensor, *,
     if done:
         return out
     alpha = alpha.reshape(1)
-    _launch(a, b, out, alpha, lambda bm, bn: (triton.cdiv(m, bm) * triton.cdiv(n, bn),), None, m, n, k, 0, 0, False)
+    _launch(a, b, out, alpha, lambda bm, bn: (cdiv(m, bm) * cdiv(n, bn),), None, m, n, k, 0, 0, False)
     return out
 
 
@@ -432,7 +427,7 @@ def grouped_scaled_mm(a: torch.Tensor, b: torch.Tensor, sizes: Sequence[int] | t
     bm = _tile_shape()[0]  # the launch's row tile: the tile list is cut to it
     tiles = _device_tiles(sizes, s, bm) if isinstance(sizes, torch.Tensor) else _host_tiles(sizes, bm, a.device)
     s_alpha = 1 if alpha.numel() > 1 else 0
-    _launch(a, b, out, alpha.reshape(-1).contiguous(), lambda _bm, bn: (tiles[0].numel() * triton.cdiv(n, bn),),
+    _launch(a, b, out, alpha.reshape(-1).contiguous(), lambda _bm, bn: (tiles[0].numel() * cdiv(n, bn),),
             tiles, s, n, k, b.stride(0), s_alpha, True)
     return out
 
@@ -473,7 +468,7 @@ def contraction_grouped_mm(a: torch.Tensor, b: torch.Tensor, widths: Sequence[in
         starts, ends = _device_edges(widths, a.shape[1])
         segments = torch.stack([starts, ends - starts]).to(torch.int32)
         even_k = False  # unknown here; masks that are all true give the unmasked path's bits
-    grid = (len(widths) * triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    grid = (len(widths) * cdiv(m, bm) * cdiv(n, bn),)
     _contraction_grouped_kernel[grid](a, b, out, alpha.reshape(-1).contiguous(), segments[0], segments[1], m, n,
                                       a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0),
                                       out.stride(1), out.stride(2), BF16_OUT=out_dtype == torch.bfloat16,

@@ -43,6 +43,7 @@ from ..formats.mxfp4 import MX_BLOCK
 from ..formats.nvfp4 import _check_amax, _nvfp4_block, nvfp4_tensor_terms
 from ..formats.types import Format, FP4Tensor, MXScaleMode, NVFP4Profile, Rounding
 from .amax import finite_amax, grouped_finite_amax
+from .host import cdiv
 from .operand import BlockValues, device_counts
 from .elements import (e2m1_rtne, e2m1_rtne_value, e2m1_stochastic, e2m1_stochastic_value, e2m1_value, e4m3_rtne,
                        e4m3_value, group_of, pack_nibble_pairs, philox_bytes, round_to_bf16, scale_value, widen)
@@ -562,7 +563,7 @@ def _launch(x: torch.Tensor, axis: int, block: tuple[int, int], pad: bool, rule:
         br, bc, warps = TILES["transposed" if transposed else "rows"]
         if group_mode == COL_GROUPS.value:  # a column tile must not straddle two groups
             bc = COL_GROUP_WIDTH
-        grid = (triton.cdiv(rows_out, br), triton.cdiv(lp, bc))
+        grid = (cdiv(rows_out, br), cdiv(lp, bc))
         bf16 = src.dtype == torch.bfloat16
         in_memory = [isinstance(v, torch.Tensor) for v in (seed, hadamard_seed)]
         if grouped is None:  # the seeds' pointers: device seeds where given, else unused
@@ -743,6 +744,12 @@ def block_values_pair(x: torch.Tensor, fmt: Format, *, rows: dict, columns: dict
     refusal = pair_refusal(x, fmt, rows, columns, columns_len)
     if refusal:
         raise ValueError(f"block_values_pair: {refusal}")
+    return unchecked_block_values_pair(x, fmt, rows=rows, columns=columns, columns_len=columns_len)
+
+
+def unchecked_block_values_pair(x: torch.Tensor, fmt: Format, *, rows: dict, columns: dict, columns_len: int
+                                ) -> tuple[BlockValues, BlockValues]:
+    """block_values_pair for a caller that has just asked pair_refusal (kernels.quantize_values_pair)."""
     size = 16 if fmt is Format.NVFP4 else MX_BLOCK
     rules = [NV_RULES[NVFP4Profile.parse(kw.get("profile", NVFP4Profile.TE))] if fmt is Format.NVFP4
              else MX_RULES[MXScaleMode.parse(kw.get("mode", MXScaleMode.FLOOR))] for kw in (rows, columns)]
@@ -770,7 +777,7 @@ def block_values_pair(x: torch.Tensor, fmt: Format, *, rows: dict, columns: dict
     bf16 = x.dtype == torch.bfloat16
     passes = (True, False) if nvfp4 else (False,)
     for amax_only in passes:
-        _fp4_pair_kernel[(triton.cdiv(columns_len, bm), triton.cdiv(k, bk))](
+        _fp4_pair_kernel[(cdiv(columns_len, bm), cdiv(k, bk))](
             x.view(torch.int16) if bf16 else x, rows_v, cols_v, amax, s_dec, *ints, *ptrs, m, k, columns_len, k,
             RULE_R=rules[0], RULE_C=rules[1], BLOCK=size, STOCHASTIC_R=stochastic[0], STOCHASTIC_C=stochastic[1],
             HADAMARD_C=rotation, BF16_BITS=bf16, AMAX_ONLY=amax_only, SEED_R_IN_MEMORY=in_memory[0],

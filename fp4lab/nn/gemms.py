@@ -63,7 +63,7 @@ from ..formats import Rounding
 from ..kernels import BlockValues, GroupedValues
 from .quant import (Rotation, derive_seed, derive_seeds, dither, fuses_rotation, gemm_dtype, operand_knobs, quantize_operand,
                     rotation_for, run_gemm)
-from .recipe import BF16_GEMM, GEMMS, HadamardMode, Recipe
+from .recipe import BF16_GEMM, GEMMS, HadamardMode, Recipe, recipe_rule
 from .seeds import SeedTable
 
 WGRAD_ROW_MULTIPLE = 32  # lcm of the block sizes (16, 32) and Hadamard sizes (16, 32)
@@ -131,6 +131,12 @@ class Call:
                                "QuantContext a SeedTable)")
         return derive_seed(self.root, GEMMS.index(gemm), ord(side))
 
+    def rounding_seed(self, gemm: str, side: str) -> int | torch.Tensor:
+        """The seed operand ``side`` of ``gemm`` rounds with: Call.seed where it rounds
+        stochastically; 0 where nearest-even rounding draws nothing (no seed derived, no table
+        slot spent: the quantizers ignore it)."""
+        return self.seed(gemm, side) if getattr(self.recipe.gemm(gemm), side).rounding is Rounding.STOCHASTIC else 0
+
     def rotation(self, gemm: str) -> Rotation | None:
         """The Hadamard rotation of ``gemm``'s operands at this call (its random signs re-drawn per call)."""
         spec = self.recipe.gemm(gemm)
@@ -139,7 +145,7 @@ class Call:
 
     def operand(self, t: torch.Tensor, axis: int, gemm: str, side: str, *, codes: bool = False):
         """t quantized (and rotated) as ``gemm``'s operand ``side`` says (quant.quantize_operand)."""
-        return quantize_operand(t, axis, getattr(self.recipe.gemm(gemm), side), seed=self.seed(gemm, side),
+        return quantize_operand(t, axis, getattr(self.recipe.gemm(gemm), side), seed=self.rounding_seed(gemm, side),
                                 rotation=self.rotation(gemm), stats=self.stats, key=f"{self.name}.{gemm}.{side}",
                                 codes=codes)
 
@@ -158,8 +164,8 @@ class Call:
         op_r, op_c = getattr(self.recipe.gemm(gr), sr), getattr(self.recipe.gemm(gc), sc)
         rotation = self.rotation(gc)
         return kernels.quantize_values_pair(
-            t, op_r.format, rows=dict(rounding=op_r.rounding, seed=self.seed(gr, sr), **operand_knobs(op_r)),
-            columns=dict(rounding=op_c.rounding, seed=self.seed(gc, sc), **operand_knobs(op_c, rotation)),
+            t, op_r.format, rows=dict(rounding=op_r.rounding, seed=self.rounding_seed(gr, sr), **operand_knobs(op_r)),
+            columns=dict(rounding=op_c.rounding, seed=self.rounding_seed(gc, sc), **operand_knobs(op_c, rotation)),
             columns_len=t.shape[0] + (-t.shape[0] % WGRAD_ROW_MULTIPLE))
 
     def weight_source(self, weight: torch.Tensor) -> torch.Tensor:
@@ -173,19 +179,23 @@ class Call:
         """fprop's and dgrad's weight operands are the same 16x16 RTNE tiles of the same tensor, so
         dgrad can multiply fprop's block values transposed instead of quantizing W again (operand
         statistics want dgrad's own quantization recorded)."""
-        f, d = self.recipe.fprop, self.recipe.dgrad
-        return (f.b == d.b and f.b.block2d and f.b.rounding is Rounding.RTNE and not f.rotated and not d.rotated
-                and d.a.quantized and self.stats is None)
+        return self.stats is None and _weight_tiles_shared(self.recipe)
 
 
 def pair_applies(recipe: Recipe, t: torch.Tensor, rows: tuple[str, str], columns: tuple[str, str]) -> bool:
     """Call.operand_pair's rule, from the recipe and t's rank alone (no seeds drawn, no
     environment read): both copies quantized in one format, 1-row blocks, no dither, the rows copy
     unrotated and the columns copy's rotation one its quantizer fuses."""
+    return t.dim() == 2 and _pair_rule(recipe, rows, columns)
+
+
+@recipe_rule
+def _pair_rule(recipe: Recipe, rows: tuple[str, str], columns: tuple[str, str]) -> bool:
+    """pair_applies for a matrix."""
     (gr, sr), (gc, sc) = rows, columns
     op_r, op_c = getattr(recipe.gemm(gr), sr), getattr(recipe.gemm(gc), sc)
     rotation = rotation_for(recipe.gemm(gc), recipe.seed, 0)  # its size and signs' rule (the seed decides neither)
-    return not (t.dim() != 2 or not (op_r.quantized and op_c.quantized) or op_r.format is not op_c.format
+    return not (not (op_r.quantized and op_c.quantized) or op_r.format is not op_c.format
                 or op_r.block2d or op_c.block2d or op_r.dither or op_c.dither or recipe.gemm(gr).rotated
                 or (rotation is not None and not fuses_rotation(op_c, rotation)))
 
@@ -210,6 +220,7 @@ def keeps_w_values(recipe: Recipe, grouped: bool, keep_w: bool) -> bool:
             and _weight_tiles_shared(recipe))
 
 
+@recipe_rule
 def _weight_tiles_shared(recipe: Recipe) -> bool:
     """fprop's and dgrad's weight operands are the same 16x16 RTNE tiles of the same tensor."""
     f, d = recipe.fprop, recipe.dgrad

@@ -24,7 +24,7 @@ Presets (functions returning a Recipe): ``bf16``, ``nvfp4`` (NVIDIA's recipe, ar
 2509.25149), ``nvfp4_four_over_six`` (the same with Four Over Six scales), ``nvfp4_plain``, ``mxfp4``, ``mxfp4_rceil``, ``mxfp4_hadamard``, and the
 per-GEMM progression of the AMD MXFP4 study: ``fprop``, ``fprop_dgrad``, ``fprop_dgrad_wgrad``.
 
-Public: ``HadamardMode``, ``Bf16Scope``, ``Operand``, ``GemmSpec``, ``Recipe``,
+Public: ``HadamardMode``, ``Bf16Scope``, ``Operand``, ``GemmSpec``, ``Recipe``, ``recipe_rule``,
 ``PRESETS``, ``preset``, ``load_recipe``, ``dotted_keys``, ``NVIDIA_KEEP`` and the preset
 functions.
 """
@@ -32,6 +32,7 @@ functions.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import tomllib
@@ -43,6 +44,29 @@ from ..formats.types import Choice, Format, MXScaleMode, NVFP4Profile, Rounding
 from ..typecheck import field_types, fits, type_name
 
 GEMMS = ("fprop", "dgrad", "wgrad")
+
+
+def recipe_rule(rule: Callable[..., Any]) -> Callable[..., Any]:
+    """``rule(recipe, *keys)``, a pure function of a recipe and hashable keys, remembered per recipe
+    object: recipes are frozen, and a rule asked at every layer call of every step (what the
+    layers' forward and backward decide from the recipe) need not be worked out again. Keyed by
+    the recipe's identity (hashing a recipe walks every field); the cache holds its recipes, so an
+    identity is never reused while remembered, and is emptied when it grows past a few hundred
+    entries (recipes made per call, as ``at_progress`` makes after ``bf16_after``)."""
+    cache: dict[tuple, tuple[Any, Any]] = {}
+
+    @functools.wraps(rule)
+    def remembered(recipe, *keys):
+        key = (id(recipe), *keys)
+        hit = cache.get(key)
+        if hit is not None and hit[0] is recipe:
+            return hit[1]
+        if len(cache) >= 512:
+            cache.clear()
+        value = rule(recipe, *keys)
+        cache[key] = (recipe, value)
+        return value
+    return remembered
 
 
 class HadamardMode(Choice):

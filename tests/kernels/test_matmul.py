@@ -279,7 +279,7 @@ def test_a_dense_launch_takes_its_output_sizes_tile(monkeypatch):
     fewer 128 x 128 tiles than half the SMs 64 x 128; a grouped launch always the default (its
     tile lists are made for BM). Every one steps through K by the same BK: the same bits."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.setattr(matmul, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(matmul, "sm_count", lambda device: 132)
     default = (matmul._BM, matmul._BN, matmul._BK, matmul._WARPS, matmul._STAGES)
     assert matmul._config(768, 768, False, "cuda") == matmul._TINY_OUT  # 36 tiles of 128 x 128
     assert matmul._config(2304, 768, False, "cuda") == matmul._SMALL_OUT  # 9 x 6 = 54 tiles of 256 x 128

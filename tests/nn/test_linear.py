@@ -262,8 +262,9 @@ def test_triton_path_gives_the_reference_bytes(n, k, name, monkeypatch):
         monkeypatch.setenv("FP4LAB_BACKEND", backend)
         rec = _Recorder(monkeypatch)
         fused = []
-        real = triton_quantize.block_values_pair
-        monkeypatch.setattr(triton_quantize, "block_values_pair", lambda *a, **kw: fused.append(1) or real(*a, **kw))
+        real = triton_quantize.unchecked_block_values_pair  # (block_values_pair's launches)
+        monkeypatch.setattr(triton_quantize, "unchecked_block_values_pair",
+                            lambda *a, **kw: fused.append(1) or real(*a, **kw))
         wp = w.clone().requires_grad_()
         fp4_linear(x.clone().requires_grad_(), wp, None, preset(name), name="l",
                    context=QuantContext(tick=1)).backward(dy)
