@@ -20,10 +20,12 @@ import triton.language as tl
 
 from .elements import group_of, widen
 from .host import cdiv, sm_count
+from .launch import cached
 
 GROUPED_TILE = (32, 128)  # (rows, columns) per program of the grouped pass
 
 
+@cached  # (launched through kernels.launch)
 @triton.jit
 def _finite_amax_kernel(x_ptr, out_ptr, n, chunk, BF16_BITS: tl.constexpr, BLOCK: tl.constexpr):
     start = tl.program_id(0).to(tl.int64) * chunk
@@ -50,6 +52,7 @@ def finite_amax(x: torch.Tensor) -> torch.Tensor:
     return out.view(torch.float32).reshape(())
 
 
+@cached  # (launched through kernels.launch)
 @triton.jit
 def _grouped_amax_kernel(x_ptr, out_ptr, start_ptr, n_groups, R, L, BF16_BITS: tl.constexpr, BR: tl.constexpr,
                          BC: tl.constexpr):

@@ -19,10 +19,12 @@ from ..formats.layout import with_scale_layout
 from ..formats.types import Format, FP4Tensor, ScaleLayout
 from .elements import e2m1_value, scale_value, to_bf16_rtne
 from .host import cdiv
+from .launch import cached
 
 _OUT_DTYPES = (torch.float32, torch.bfloat16)
 
 
+@cached  # (launched through kernels.launch)
 @triton.jit
 def _dequantize_kernel(codes_ptr, scales_ptr, tscale_ptr, out_ptr, ROWS, LP,
                        BLOCK: tl.constexpr, NVFP4: tl.constexpr, TENSOR_SCALE: tl.constexpr, BF16: tl.constexpr,

@@ -40,6 +40,7 @@ from ..formats.types import Format, FP4Tensor, ScaleLayout, Choice
 from .decode import block_values
 from .elements import e2m1_value, scale_value
 from .host import cdiv
+from .launch import cached
 from .matmul import grouped_scaled_mm, scaled_mm
 
 
@@ -71,6 +72,7 @@ def _decode_tile(codes_ptr, scales_ptr, rows, k0, n_rows, KP, BLOCK: tl.constexp
     return values if DOT_F32 else values.to(tl.bfloat16)
 
 
+@cached  # (launched through kernels.launch)
 @triton.jit
 def _fp4_mm_kernel(a_codes, a_scales, b_codes, b_scales, a_tscale, b_tscale, c_ptr, M, N, KP,
                    BLOCK: tl.constexpr, NVFP4: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,

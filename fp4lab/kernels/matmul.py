@@ -45,6 +45,7 @@ import triton.language as tl
 
 from .elements import to_bf16_rtne, widen
 from .host import cdiv, sm_count
+from .launch import cached
 from .operand import device_counts
 
 # tiles for H100/H200 (benchmarks/NOTES.md: a sweep at 8192^3): 256 x 128 x 64, 8 warps, 4 stages
@@ -134,6 +135,7 @@ def _accumulate(a_ptr, b_ptr, rm_in, rn_in, s_am, s_ak, s_bn, s_bk, K, EVEN_K: t
     return acc
 
 
+@cached  # (launched through kernels.launch)
 @triton.jit
 def _scaled_mm_kernel(a_ptr, b_ptr, c_ptr, alpha_ptr, tile_group_ptr, tile_row_ptr, group_end_ptr,
                       M, N, K, s_am, s_ak, s_bg, s_bn, s_bk, s_cm, s_cn, s_alpha,
@@ -154,6 +156,7 @@ def _scaled_mm_kernel(a_ptr, b_ptr, c_ptr, alpha_ptr, tile_group_ptr, tile_row_p
     _store_scaled(acc, alpha_ptr, g, s_alpha, c_ptr, rm, rn, row_end, N, s_cm, s_cn, BF16_OUT)
 
 
+@cached  # (launched through kernels.launch)
 @triton.jit
 def _contraction_grouped_kernel(a_ptr, b_ptr, c_ptr, alpha_ptr, k_start_ptr, k_width_ptr, M, N,
                                 s_am, s_ak, s_bn, s_bk, s_cg, s_cm, s_cn,
@@ -179,6 +182,7 @@ def _contraction_grouped_kernel(a_ptr, b_ptr, c_ptr, alpha_ptr, k_start_ptr, k_w
     _store_scaled(acc, alpha_ptr, g, 1, c_ptr + g.to(tl.int64) * s_cg, rm, rn, M, N, s_cm, s_cn, BF16_OUT)
 
 
+@cached  # (launched through kernels.launch)
 @triton.jit
 def _scaled_mm_tma_kernel(a_desc, b_desc, c_ptr, alpha_ptr, tile_group_ptr, tile_row_ptr, group_end_ptr,
                           M, N, K, s_cm, s_cn, s_alpha, b_group_rows,
@@ -205,6 +209,7 @@ def _scaled_mm_tma_kernel(a_desc, b_desc, c_ptr, alpha_ptr, tile_group_ptr, tile
                   s_cm, s_cn, BF16_OUT)
 
 
+@cached  # (launched through kernels.launch)
 @triton.jit
 def _scaled_mm_persistent_kernel(a_desc, b_desc, c_ptr, alpha_ptr, M, N, K, s_cm, s_cn, programs,
                                  B_KN: tl.constexpr, BF16_OUT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,

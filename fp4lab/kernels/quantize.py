@@ -44,6 +44,7 @@ from ..formats.nvfp4 import _check_amax, _nvfp4_block, nvfp4_tensor_terms
 from ..formats.types import Format, FP4Tensor, MXScaleMode, NVFP4Profile, Rounding
 from .amax import finite_amax, grouped_finite_amax
 from .host import cdiv
+from .launch import cached
 from .operand import BlockValues, device_counts
 from .elements import (e2m1_rtne, e2m1_rtne_value, e2m1_stochastic, e2m1_stochastic_value, e2m1_value, e4m3_rtne,
                        e4m3_value, group_of, pack_nibble_pairs, philox_bytes, round_to_bf16, scale_value, widen)
@@ -326,6 +327,7 @@ def _mx_exponent(bamax, RULE: tl.constexpr):
     return tl.where(bamax == 0, -127, e)
 
 
+@cached  # (launched through kernels.launch)
 @triton.jit
 def _fp4_quantize_kernel(x_ptr, codes_ptr, scales_ptr, amax_ptr, s_dec_ptr, seed, hadamard_seed,
                          start_ptr, seeds_ptr, h_seeds_ptr, n_groups, src_ptr,
@@ -481,6 +483,7 @@ def _quantize_tile(x, rows, local, col_base, group, amax_at, seed_of, lp_of, cod
                  mask=keep & (scols[None, :] < LP // BLOCK))
 
 
+@cached  # (launched through kernels.launch)
 @triton.jit
 def _fp4_pair_kernel(x_ptr, rows_ptr, cols_ptr, amax_ptr, s_dec_ptr, seed_r, seed_c, h_seed_c, seed_r_ptr,
                      seed_c_ptr, h_seed_c_ptr, M, K, MP, stride_m,

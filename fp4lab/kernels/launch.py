@@ -1,0 +1,119 @@
+"""Launching fp4lab's Triton kernels with less host time a launch.
+
+``kernel[grid](*args, **constexprs)`` makes Triton, at every call, bind each argument, work out
+its specialization, build a cache key, compare every global the kernel reads with its value at
+compile time, and only then launch: 13 to 42 us a launch on the H100 host measured in isolation
+(benchmarks/NOTES.md, eighteenth session), 76 us in a d12 step, whose 450 launches spent 34 ms
+there while the step's GPU work took 81.
+
+``cached(kernel)`` keeps Triton's call form (``cached_kernel[grid](*args, **constexprs)``) and
+remembers, per call *signature*, the compiled kernel Triton's own first launch of it returned;
+later calls of that signature launch it directly. A signature holds everything Triton
+specializes a kernel on, and more: each positional argument's type, and for a tensor its dtype
+and whether its address is 16-byte aligned, for an int whether it is 1, a multiple of 16, and
+which integer type holds it, for a tensor descriptor its dtype, block, shape, strides and
+alignment; every keyword (the constexprs and launch options) by value; the device. Anything it
+cannot classify, and every call under the interpreter, goes through Triton's own path. Calls
+that differ in anything Triton would compile differently for never share an entry, so the
+kernels and their bits are those of Triton's path (the GPU tests run every kernel through here).
+
+Public: ``cached``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+_UNKNOWN = object()
+
+
+def _int_class(value: int) -> tuple:
+    # Triton's int specializations: 1, divisible by 16, and i32 / i64 / u64 by range
+    return value == 1, value % 16 == 0, -(1 << 31) <= value < (1 << 31), value < (1 << 63)
+
+
+def _arg_key(arg):
+    kind = type(arg)
+    if kind is int:
+        return _int_class(arg)
+    if kind is bool or arg is None:
+        return arg
+    if kind is float:
+        return float
+    if isinstance(arg, torch.Tensor):
+        return arg.dtype, arg.data_ptr() % 16 == 0
+    base = getattr(arg, "base", None)  # a host TMA descriptor (triton.tools.tensor_descriptor)
+    if isinstance(base, torch.Tensor) and hasattr(arg, "block_shape"):
+        return (base.dtype, base.data_ptr() % 16 == 0, tuple(arg.block_shape), tuple(arg.shape), tuple(arg.strides),
+                getattr(arg, "padding", None))
+    return _UNKNOWN
+
+
+class _Cached:
+    """A Triton kernel whose launches skip Triton's per-call binding where a signature repeats."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel = kernel
+        self._compiled: dict[tuple, tuple] = {}
+        self._constexpr: tuple[bool, ...] | None = None  # per parameter, read at the first launch
+
+    def __getattr__(self, name: str):  # (the kernel's own attributes: fn, src, warmup, ...)
+        return getattr(self.kernel, name)
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self._launch(grid, args, kwargs)
+
+    def _launch(self, grid, args: tuple, kwargs: dict):
+        if os.environ.get("TRITON_INTERPRET") == "1" or callable(grid):
+            return self.kernel[grid](*args, **kwargs)
+        from triton.runtime import driver
+        try:
+            device = driver.active.get_current_device()
+        except Exception:  # no GPU driver (an offline compile's recorder stands in for Triton's launch)
+            return self.kernel[grid](*args, **kwargs)
+        if self._constexpr is None:
+            self._constexpr = tuple(p.is_constexpr for p in self.kernel.params)
+        # (a constexpr passed by position is keyed by its value, as Triton compiles for it)
+        keys = [("constexpr", a) if c else _arg_key(a) for a, c in zip(args, self._constexpr)]
+        try:
+            key = (device, tuple(keys), tuple(kwargs.items()))
+            hit = self._compiled.get(key) if _UNKNOWN not in keys else None
+        except TypeError:  # an unhashable keyword value
+            key, hit = None, None
+        if hit is None:
+            compiled = self.kernel[grid](*args, **kwargs)
+            if key is not None and _UNKNOWN not in keys:
+                tail = self._tail(len(args), kwargs)
+                if tail is not None and hasattr(compiled, "packed_metadata"):
+                    self._compiled[key] = (compiled, tail)
+            return compiled
+        compiled, tail = hit
+        stream = driver.active.get_current_stream(device)
+        grid3 = (*grid, 1, 1)[:3]
+        compiled[grid3](*args, *tail, stream=stream)
+        return compiled
+
+    def _tail(self, given: int, kwargs: dict) -> tuple | None:
+        """The values of the parameters after the positional ones, in order, as Triton hands them
+        to a compiled kernel: constexprs from the keywords or their defaults. None where one of
+        them is not a constexpr (a run-time value passed by keyword: Triton's path each time)."""
+        tail = []
+        for param in self.kernel.params[given:]:
+            if not param.is_constexpr:
+                return None
+            name = param.name
+            if name in kwargs:
+                tail.append(kwargs[name])
+            elif param.has_default:
+                tail.append(param.default)
+            else:
+                return None
+        return tuple(tail)
+
+
+def cached(kernel):
+    """``kernel`` (a ``triton.jit`` function) launched through a cache of its compiled signatures
+    (the module doc); ``cached(kernel)[grid](...)`` takes what ``kernel[grid](...)`` takes."""
+    return _Cached(kernel)

@@ -1,0 +1,118 @@
+"""kernels.launch: a repeated call signature launches the compiled kernel Triton's first launch
+gave; anything Triton would compile differently for goes through Triton again. A stub kernel and
+driver stand in for Triton's (the GPU tests run every real kernel through the cache)."""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+from triton.runtime import driver  # noqa: E402
+
+from fp4lab.kernels import launch  # noqa: E402
+
+
+class _Param:
+    def __init__(self, name, is_constexpr, default=None):
+        self.name, self.is_constexpr = name, is_constexpr
+        self.has_default, self.default = default is not None, default
+
+
+class _Compiled:
+    packed_metadata = b""
+
+    def __init__(self, log):
+        self.log = log
+
+    def __getitem__(self, grid):
+        return lambda *args, stream=None: self.log.append(("direct", grid, args, stream))
+
+
+class _Kernel:
+    """kernel(x_ptr, n, BLOCK: constexpr, EVEN: constexpr = True) as Triton's JITFunction takes it."""
+
+    params = [_Param("x_ptr", False), _Param("n", False), _Param("BLOCK", True), _Param("EVEN", True, True)]
+
+    def __init__(self):
+        self.log = []
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.log.append(("triton", grid, args, kwargs))
+            return _Compiled(self.log)
+        return run
+
+
+class _Driver:
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device):
+        return 1234
+
+
+@pytest.fixture
+def kernel(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(driver, "_active", _Driver())
+    return _Kernel()
+
+
+def test_a_repeated_signature_launches_the_compiled_kernel_directly(kernel):
+    fast = launch.cached(kernel)
+    x, y = torch.zeros(64), torch.ones(64)  # (both 16-byte aligned)
+    fast[(4,)](x, 64, BLOCK=16)
+    fast[(8, 2)](y, 96, BLOCK=16)  # another tensor, another size: the same signature
+    assert [entry[0] for entry in kernel.log] == ["triton", "direct"]
+    # positional arguments, then the constexprs in parameter order (a default filled in), grid in 3-D
+    assert kernel.log[1] == ("direct", (8, 2, 1), (y, 96, 16, True), 1234)
+
+
+@pytest.mark.parametrize("change", ["alignment", "dtype", "int_one", "int_16", "int_64_bit", "constexpr", "option"])
+def test_what_triton_specializes_on_goes_through_triton_again(kernel, change):
+    fast = launch.cached(kernel)
+    x = torch.zeros(64)
+    fast[(1,)](x, 17, BLOCK=16)
+    args, kwargs = [x, 17], {"BLOCK": 16}
+    if change == "alignment":
+        args[0] = x[1:]  # 4 bytes in
+    elif change == "dtype":
+        args[0] = torch.zeros(64, dtype=torch.float16)
+    elif change == "int_one":
+        args[1] = 1
+    elif change == "int_16":
+        args[1] = 32
+    elif change == "int_64_bit":
+        args[1] = 2**40 + 1
+    elif change == "constexpr":
+        kwargs["BLOCK"] = 32
+    else:
+        kwargs["num_warps"] = 8
+    fast[(1,)](*args, **kwargs)
+    assert [entry[0] for entry in kernel.log] == ["triton", "triton"]
+    fast[(1,)](*args, **kwargs)  # ... and is cached in turn
+    assert [entry[0] for entry in kernel.log] == ["triton", "triton", "direct"]
+
+
+def test_a_constexpr_passed_by_position_is_keyed_by_its_value(kernel):
+    fast = launch.cached(kernel)
+    x = torch.zeros(64)
+    fast[(1,)](x, 17, 16)
+    fast[(1,)](x, 17, 32)  # (16 and 32 are alike as run-time ints, not as constexprs)
+    assert [entry[0] for entry in kernel.log] == ["triton", "triton"]
+
+
+def test_the_interpreter_and_unknown_arguments_take_tritons_path(kernel, monkeypatch):
+    fast = launch.cached(kernel)
+    for _ in range(2):
+        fast[(1,)](object(), 17, BLOCK=16)  # nothing the cache can classify
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    for _ in range(2):
+        fast[(1,)](torch.zeros(64), 17, BLOCK=16)
+    assert [entry[0] for entry in kernel.log] == ["triton"] * 4
+
+
+def test_a_run_time_argument_passed_by_keyword_is_never_cached(kernel):
+    fast = launch.cached(kernel)
+    for n in (17, 33):
+        fast[(1,)](torch.zeros(64), n=n, BLOCK=16)
+    assert [entry[0] for entry in kernel.log] == ["triton", "triton"]
