@@ -13,7 +13,7 @@ specializes a kernel on, and more: each positional argument's type, and for a te
 and whether its address is 16-byte aligned, for an int whether it is 1, a multiple of 16, and
 which integer type holds it, for a tensor descriptor its dtype, block, shape, strides and
 alignment; every keyword (the constexprs and launch options) by value; the device. Anything it
-cannot classify, and every call under the interpreter, goes through Triton's own path. Calls
+cannot classify, and every call of a kernel the interpreter runs, goes through Triton's own path. Calls
 that differ in anything Triton would compile differently for never share an entry, so the
 kernels and their bits are those of Triton's path (the GPU tests run every kernel through here).
 
@@ -21,8 +21,6 @@ Public: ``cached``.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 
@@ -58,6 +56,8 @@ class _Cached:
         self.kernel = kernel
         self._compiled: dict[tuple, tuple] = {}
         self._constexpr: tuple[bool, ...] | None = None  # per parameter, read at the first launch
+        # decorated under TRITON_INTERPRET=1: there is no compiled kernel, every call interprets
+        self._interpreted = type(kernel).__name__ == "InterpretedFunction"
 
     def __getattr__(self, name: str):  # (the kernel's own attributes: fn, src, warmup, ...)
         return getattr(self.kernel, name)
@@ -66,7 +66,7 @@ class _Cached:
         return lambda *args, **kwargs: self._launch(grid, args, kwargs)
 
     def _launch(self, grid, args: tuple, kwargs: dict):
-        if os.environ.get("TRITON_INTERPRET") == "1" or callable(grid):
+        if self._interpreted or callable(grid):
             return self.kernel[grid](*args, **kwargs)
         from triton.runtime import driver
         try:

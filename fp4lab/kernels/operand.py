@@ -50,7 +50,7 @@ class BlockValues(NamedTuple):
     @property
     def matrix(self) -> torch.Tensor:
         """[rows, Lp] bf16: the data rows."""
-        return self.values[: self.rows]
+        return self.values if self.rows == self.values.shape[0] else self.values[: self.rows]
 
     def dense(self) -> torch.Tensor:
         """[rows, Lp] fp32: the dequantized tensor in the stored layout (padding columns are 0)."""

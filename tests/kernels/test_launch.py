@@ -52,7 +52,6 @@ class _Driver:
 
 @pytest.fixture
 def kernel(monkeypatch):
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(driver, "_active", _Driver())
     return _Kernel()
 
@@ -101,14 +100,20 @@ def test_a_constexpr_passed_by_position_is_keyed_by_its_value(kernel):
     assert [entry[0] for entry in kernel.log] == ["triton", "triton"]
 
 
-def test_the_interpreter_and_unknown_arguments_take_tritons_path(kernel, monkeypatch):
+class InterpretedFunction(_Kernel):
+    """What triton.jit gives under TRITON_INTERPRET=1 (by name)."""
+
+
+def test_interpreted_kernels_and_unknown_arguments_take_tritons_path(kernel):
     fast = launch.cached(kernel)
     for _ in range(2):
         fast[(1,)](object(), 17, BLOCK=16)  # nothing the cache can classify
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert [entry[0] for entry in kernel.log] == ["triton"] * 2
+    interpreted = InterpretedFunction()
+    fast = launch.cached(interpreted)
     for _ in range(2):
         fast[(1,)](torch.zeros(64), 17, BLOCK=16)
-    assert [entry[0] for entry in kernel.log] == ["triton"] * 4
+    assert [entry[0] for entry in interpreted.log] == ["triton"] * 2
 
 
 def test_a_run_time_argument_passed_by_keyword_is_never_cached(kernel):
@@ -116,3 +121,27 @@ def test_a_run_time_argument_passed_by_keyword_is_never_cached(kernel):
     for n in (17, 33):
         fast[(1,)](torch.zeros(64), n=n, BLOCK=16)
     assert [entry[0] for entry in kernel.log] == ["triton", "triton"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled kernels: a GPU")
+def test_cached_launches_give_the_references_bits_on_the_gpu():
+    """The quantize, the pair and the GEMM, each called at several sizes of one signature: the
+    calls after the first launch directly, and every result is the reference's."""
+    from fp4lab import formats, kernels
+    from fp4lab.kernels import matmul, quantize
+    g = torch.Generator().manual_seed(0)
+    for m in (64, 96, 160):  # (all multiples of 16, and of 32 for the pair's columns: one signature)
+        x = torch.randn(m, 128, generator=g)
+        fast, ref = kernels.quantize_nvfp4(x.cuda()), formats.quantize_nvfp4(x)
+        assert torch.equal(fast.codes.cpu(), ref.codes) and torch.equal(fast.scales.cpu().view(torch.uint8),
+                                                                        ref.scales.view(torch.uint8))
+        kw = dict(rows=dict(rounding="rtne"), columns=dict(rounding="stochastic", seed=m, hadamard="te"), columns_len=m)
+        for got, want in zip(kernels.quantize_values_pair(x.cuda(), "nvfp4", **kw),
+                             kernels.quantize_values_pair(x, "nvfp4", **kw)):
+            assert torch.equal(got.values.cpu(), want.values) and got.tensor_scale.item() == want.tensor_scale.item()
+        # small integers: every product and partial sum exact, so any summation order gives these bits
+        a, b = (torch.randint(-8, 9, (rows, 128), generator=g).to(torch.bfloat16) for rows in (m, 48))
+        want = ((a.float() @ b.float().T) * 0.5).to(torch.bfloat16)
+        assert torch.equal(matmul.scaled_mm(a.cuda(), b.cuda(), torch.tensor(0.5, device="cuda")).cpu(), want)
+    for kernel in (quantize._fp4_quantize_kernel, quantize._fp4_pair_kernel):
+        assert kernel._compiled  # (signatures were remembered, so the later calls went direct)
