@@ -6,10 +6,12 @@ An eager FP4 step is host-bound where its host time exceeds its GPU time (bench_
 rows against its graphed ones). This splits the host time three ways, side by side in one run:
 
 - ``wall``: the step as it runs (host-bound here, so host time);
-- ``triton``: the host time inside Triton's launch path (JITFunction.run: binding the
-  arguments, its specialization key, the launcher), timed around every launch, per kernel;
-- ``no_launch``: the same step with every Triton launch skipped (outputs left unwritten; nothing
-  on the host reads them): fp4lab's Python and torch's own ops and launches;
+- ``triton``: the host time of launching fp4lab's kernels (kernels.launch: a repeated call
+  signature straight to the compiled kernel, a new one through Triton's JITFunction.run), timed
+  around every launch, per kernel;
+- ``no_launch``: the same step with every fp4lab kernel launch skipped (outputs left unwritten;
+  nothing on the host reads them): fp4lab's Python and torch's own ops and launches (with
+  ``--modes compiled``, Inductor's launches of the rest of the model too);
 - ``gc``: the time Python's garbage collector ran during the wall timing, by generation, and
   ``wall_gc_off``: the step with the collector switched off (what a training loop that collects
   by hand between steps would pay).
@@ -17,7 +19,8 @@ rows against its graphed ones). This splits the host time three ways, side by si
 Each timing is the median of ``--rounds`` rounds, taken in turns.
 
 For one NVFP4 linear fwd+bwd at a shape where the GPU work is small (host-bound by far) and for
-bench_model's eager step of ``--model``, NVFP4 and BF16. Writes benchmarks/results/host_split.json.
+bench_model's step of ``--model`` in each of ``--modes`` (eager, compiled), NVFP4 and BF16.
+Writes benchmarks/results/host_split.json.
 """
 
 from __future__ import annotations
@@ -40,7 +43,8 @@ from benchmarks.common import environment, save  # noqa: E402
 
 
 class LaunchClock:
-    """Times the host side of every Triton launch (JITFunction.run), per kernel; ``skip``: launch nothing."""
+    """Times the host side of every launch of an fp4lab kernel (kernels.launch), per kernel;
+    ``skip``: launch nothing."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
@@ -49,24 +53,24 @@ class LaunchClock:
 
     @contextlib.contextmanager
     def installed(self):
-        from triton.runtime.jit import JITFunction
-        original = JITFunction.run
+        from fp4lab.kernels import launch
+        original = launch._Cached._launch
 
-        def run(fn, *args, **kwargs):
-            name = fn.fn.__name__
+        def run(cached, grid, args, kwargs):
+            name = cached.kernel.fn.__name__
             self.calls[name] += 1
             if self.skip:
                 return None
             start = time.perf_counter()
             try:
-                return original(fn, *args, **kwargs)
+                return original(cached, grid, args, kwargs)
             finally:
                 self.seconds[name] += time.perf_counter() - start
-        JITFunction.run = run
+        launch._Cached._launch = run
         try:
             yield self
         finally:
-            JITFunction.run = original
+            launch._Cached._launch = original
 
     def reset(self) -> None:
         self.seconds.clear()
@@ -160,6 +164,7 @@ def main() -> None:
     parser.add_argument("--linear-steps", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--no-model", action="store_true", help="the linear layer only")
+    parser.add_argument("--modes", nargs="+", default=["eager"], choices=["eager", "compiled"])
     args = parser.parse_args()
     clock = LaunchClock()
     rows = {}
@@ -169,13 +174,14 @@ def main() -> None:
         rows["linear_nvfp4"] = split(lambda i: nvfp4_step(x, w, dy), args.linear_steps, 20, args.rounds, clock)
         show(f"linear {args.linear} bf16", rows["linear_bf16"])
         show(f"linear {args.linear} nvfp4", rows["linear_nvfp4"])
-        if not args.no_model:
+        for mode in ([] if args.no_model else args.modes):
+            torch.compiler.reset()
             for arm in ("bf16", "nvfp4"):
-                rows[f"{args.model}_{arm}"] = split(make_step(arm, "eager", args), args.steps, args.warmup,
-                                                    args.rounds, clock)
-                show(f"{args.model} {arm} eager step", rows[f"{args.model}_{arm}"])
+                key = f"{args.model}_{arm}" + ("" if mode == "eager" else f"_{mode}")
+                rows[key] = split(make_step(arm, mode, args), args.steps, args.warmup, args.rounds, clock)
+                show(f"{args.model} {arm} {mode} step", rows[key])
     payload = {**environment(), "linear": args.linear, "model": args.model, "batch": args.batch, "seq": args.seq,
-               "rows": rows}
+               "modes": args.modes, "rows": rows}
     save("host_split", payload, {})
 
 
