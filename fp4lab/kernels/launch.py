@@ -15,7 +15,11 @@ which integer type holds it, for a tensor descriptor its dtype, block, shape, st
 alignment; every keyword (the constexprs and launch options) by value; the device. Anything it
 cannot classify, and every call of a kernel the interpreter runs, goes through Triton's own path. Calls
 that differ in anything Triton would compile differently for never share an entry, so the
-kernels and their bits are those of Triton's path (the GPU tests run every kernel through here).
+kernels and their bits are those of Triton's path (the GPU tests run every kernel through here;
+a CPU test holds the signature to Triton's own specializer). Triton's debug and instrumentation
+settings are part of the signature too. What a cached launch does not repeat is Triton's check
+that the globals a kernel reads still hold their compile-time values: fp4lab's are constants
+set at import (the E4M3 form, the rule numbers).
 
 Public: ``cached``.
 """
@@ -25,6 +29,8 @@ from __future__ import annotations
 import torch
 
 _UNKNOWN = object()
+_MAX_SIGNATURES = 512  # per kernel; past it the remembered signatures are dropped and relearnt
+_triton = None  # (triton.runtime.driver, triton.knobs), imported at the first launch
 
 
 def _int_class(value: int) -> tuple:
@@ -32,19 +38,33 @@ def _int_class(value: int) -> tuple:
     return value == 1, value % 16 == 0, -(1 << 31) <= value < (1 << 31), value < (1 << 63)
 
 
+def _tensor_key(arg: torch.Tensor) -> tuple:
+    return arg.dtype, arg.data_ptr() % 16 == 0
+
+
+def _same(arg):
+    return arg
+
+
+def _float_key(arg: float):
+    return float
+
+
+_BY_TYPE = {int: _int_class, bool: _same, type(None): _same, float: _float_key, torch.Tensor: _tensor_key}
+
+
 def _arg_key(arg):
-    kind = type(arg)
-    if kind is int:
-        return _int_class(arg)
-    if kind is bool or arg is None:
-        return arg
-    if kind is float:
-        return float
-    if isinstance(arg, torch.Tensor):
-        return arg.dtype, arg.data_ptr() % 16 == 0
+    keyer = _BY_TYPE.get(type(arg))  # (the common types by exact type: a dict lookup, no isinstance chain)
+    if keyer is not None:
+        return keyer(arg)
+    if isinstance(arg, torch.Tensor):  # a subclass (a Parameter)
+        return _tensor_key(arg)
     base = getattr(arg, "base", None)  # a host TMA descriptor (triton.tools.tensor_descriptor)
     if isinstance(base, torch.Tensor) and hasattr(arg, "block_shape"):
-        return (base.dtype, base.data_ptr() % 16 == 0, tuple(arg.block_shape), tuple(arg.shape), tuple(arg.strides),
+        # Triton compiles for its dtype and block; the alignments of its sizes and strides are kept
+        # too (classes, not values: a new row count is not a new signature)
+        return (base.dtype, base.data_ptr() % 16 == 0, tuple(arg.block_shape),
+                tuple(n % 16 == 0 for n in arg.shape), tuple(n % 16 == 0 for n in arg.strides),
                 getattr(arg, "padding", None))
     return _UNKNOWN
 
@@ -60,6 +80,8 @@ class _Cached:
         self._interpreted = type(kernel).__name__ == "InterpretedFunction"
 
     def __getattr__(self, name: str):  # (the kernel's own attributes: fn, src, warmup, ...)
+        if name.startswith("__") or name in ("kernel", "_compiled", "_constexpr", "_interpreted"):
+            raise AttributeError(name)  # (copy and pickle look these up before __init__ has run)
         return getattr(self.kernel, name)
 
     def __getitem__(self, grid):
@@ -68,7 +90,7 @@ class _Cached:
     def _launch(self, grid, args: tuple, kwargs: dict):
         if self._interpreted or callable(grid):
             return self.kernel[grid](*args, **kwargs)
-        from triton.runtime import driver
+        driver, knobs = _triton or _import_triton()
         try:
             device = driver.active.get_current_device()
         except Exception:  # no GPU driver (an offline compile's recorder stands in for Triton's launch)
@@ -78,7 +100,8 @@ class _Cached:
         # (a constexpr passed by position is keyed by its value, as Triton compiles for it)
         keys = [("constexpr", a) if c else _arg_key(a) for a, c in zip(args, self._constexpr)]
         try:
-            key = (device, tuple(keys), tuple(kwargs.items()))
+            key = (device, knobs.runtime.debug, knobs.compilation.instrumentation_mode, tuple(keys),
+                   tuple(kwargs.items()))
             hit = self._compiled.get(key) if _UNKNOWN not in keys else None
         except TypeError:  # an unhashable keyword value
             key, hit = None, None
@@ -87,12 +110,13 @@ class _Cached:
             if key is not None and _UNKNOWN not in keys:
                 tail = self._tail(len(args), kwargs)
                 if tail is not None and hasattr(compiled, "packed_metadata"):
+                    if len(self._compiled) >= _MAX_SIGNATURES:
+                        self._compiled.clear()
                     self._compiled[key] = (compiled, tail)
             return compiled
         compiled, tail = hit
         stream = driver.active.get_current_stream(device)
-        grid3 = (*grid, 1, 1)[:3]
-        compiled[grid3](*args, *tail, stream=stream)
+        compiled[(*grid, 1, 1)[:3]](*args, *tail, stream=stream)
         return compiled
 
     def _tail(self, given: int, kwargs: dict) -> tuple | None:
@@ -111,6 +135,14 @@ class _Cached:
             else:
                 return None
         return tuple(tail)
+
+
+def _import_triton():
+    global _triton
+    from triton import knobs
+    from triton.runtime import driver
+    _triton = driver, knobs
+    return _triton
 
 
 def cached(kernel):

@@ -66,8 +66,9 @@ def test_a_repeated_signature_launches_the_compiled_kernel_directly(kernel):
     assert kernel.log[1] == ("direct", (8, 2, 1), (y, 96, 16, True), 1234)
 
 
-@pytest.mark.parametrize("change", ["alignment", "dtype", "int_one", "int_16", "int_64_bit", "constexpr", "option"])
-def test_what_triton_specializes_on_goes_through_triton_again(kernel, change):
+@pytest.mark.parametrize("change", ["alignment", "dtype", "int_one", "int_16", "int_64_bit", "int_u64", "constexpr",
+                                    "option", "debug"])
+def test_what_triton_specializes_on_goes_through_triton_again(kernel, change, monkeypatch):
     fast = launch.cached(kernel)
     x = torch.zeros(64)
     fast[(1,)](x, 17, BLOCK=16)
@@ -82,10 +83,17 @@ def test_what_triton_specializes_on_goes_through_triton_again(kernel, change):
         args[1] = 32
     elif change == "int_64_bit":
         args[1] = 2**40 + 1
+    elif change == "int_u64":
+        fast[(1,)](x, 2**40 + 1, BLOCK=16)
+        kernel.log.pop()
+        args[1] = 2**63 + 1
     elif change == "constexpr":
         kwargs["BLOCK"] = 32
-    else:
+    elif change == "option":
         kwargs["num_warps"] = 8
+    else:
+        from triton import knobs
+        monkeypatch.setattr(knobs.runtime, "debug", True)  # (Triton compiles a debug kernel)
     fast[(1,)](*args, **kwargs)
     assert [entry[0] for entry in kernel.log] == ["triton", "triton"]
     fast[(1,)](*args, **kwargs)  # ... and is cached in turn
@@ -98,6 +106,33 @@ def test_a_constexpr_passed_by_position_is_keyed_by_its_value(kernel):
     fast[(1,)](x, 17, 16)
     fast[(1,)](x, 17, 32)  # (16 and 32 are alike as run-time ints, not as constexprs)
     assert [entry[0] for entry in kernel.log] == ["triton", "triton"]
+
+
+VALUES = [0, 1, 2, 15, 16, 17, 32, -16, -1, 2**31 - 16, 2**31 - 1, 2**31, -(2**31), -(2**31) - 1, 2**40, 2**40 + 1,
+          2**63 - 1, 2**63, 2**63 + 16, 2**64 - 1, True, False, None, 0.5, 3.0]
+
+
+def test_no_two_arguments_the_signature_calls_alike_does_triton_compile_differently():
+    """The signature refines Triton's own specializer: any two run-time arguments with the same key
+    get the same specialization from triton.runtime.jit's native_specialize_impl (the installed
+    Triton's; 3.6 on the GPU follows the same rules: kernels/launch.py)."""
+    from triton.backends.compiler import BaseBackend
+    from triton.runtime.jit import native_specialize_impl
+    base = torch.zeros(64)
+    tensors = [base, base[1:], base[4:], torch.zeros(64, dtype=torch.bfloat16), torch.zeros(64, dtype=torch.int16)[1:]]
+    args = VALUES + tensors
+    by_key = {}
+    for arg in args:
+        key = launch._arg_key(arg)
+        spec = native_specialize_impl(BaseBackend, arg, False, True, True)
+        by_key.setdefault(repr(key), set()).add(repr(spec))
+    assert all(len(specs) == 1 for specs in by_key.values()), by_key
+
+
+def test_the_kernel_object_copies_and_reads_through(kernel):
+    import copy
+    fast = launch.cached(kernel)
+    assert copy.copy(fast).kernel is kernel and fast.params is kernel.params
 
 
 class InterpretedFunction(_Kernel):
@@ -128,20 +163,27 @@ def test_cached_launches_give_the_references_bits_on_the_gpu():
     """The quantize, the pair and the GEMM, each called at several sizes of one signature: the
     calls after the first launch directly, and every result is the reference's."""
     from fp4lab import formats, kernels
-    from fp4lab.kernels import matmul, quantize
+    from fp4lab.kernels import amax, matmul, quantize
+    launched = (amax._finite_amax_kernel, quantize._fp4_quantize_kernel, quantize._fp4_pair_kernel,
+                matmul._scaled_mm_persistent_kernel, matmul._scaled_mm_tma_kernel, matmul._scaled_mm_kernel)
+    for kernel in launched:
+        kernel._compiled.clear()
     g = torch.Generator().manual_seed(0)
-    for m in (64, 96, 160):  # (all multiples of 16, and of 32 for the pair's columns: one signature)
+    # rows in two signature classes (multiples of 16, and not), each class met more than once
+    for m in (64, 96, 72, 160, 104):
         x = torch.randn(m, 128, generator=g)
         fast, ref = kernels.quantize_nvfp4(x.cuda()), formats.quantize_nvfp4(x)
         assert torch.equal(fast.codes.cpu(), ref.codes) and torch.equal(fast.scales.cpu().view(torch.uint8),
                                                                         ref.scales.view(torch.uint8))
-        kw = dict(rows=dict(rounding="rtne"), columns=dict(rounding="stochastic", seed=m, hadamard="te"), columns_len=m)
+        kw = dict(rows=dict(rounding="rtne"), columns=dict(rounding="stochastic", seed=m, hadamard="te"),
+                  columns_len=m + (-m % 32))
         for got, want in zip(kernels.quantize_values_pair(x.cuda(), "nvfp4", **kw),
                              kernels.quantize_values_pair(x, "nvfp4", **kw)):
             assert torch.equal(got.values.cpu(), want.values) and got.tensor_scale.item() == want.tensor_scale.item()
-        # small integers: every product and partial sum exact, so any summation order gives these bits
-        a, b = (torch.randint(-8, 9, (rows, 128), generator=g).to(torch.bfloat16) for rows in (m, 48))
-        want = ((a.float() @ b.float().T) * 0.5).to(torch.bfloat16)
-        assert torch.equal(matmul.scaled_mm(a.cuda(), b.cuda(), torch.tensor(0.5, device="cuda")).cpu(), want)
-    for kernel in (quantize._fp4_quantize_kernel, quantize._fp4_pair_kernel):
-        assert kernel._compiled  # (signatures were remembered, so the later calls went direct)
+        for _ in range(2):  # (the second call of a shape is a repeated signature)
+            # small integers: every product and partial sum exact, so any summation order gives these bits
+            a, b = (torch.randint(-8, 9, (rows, 128), generator=g).to(torch.bfloat16) for rows in (m, 48))
+            want = ((a.float() @ b.float().T) * 0.5).to(torch.bfloat16)
+            assert torch.equal(matmul.scaled_mm(a.cuda(), b.cuda(), torch.tensor(0.5, device="cuda")).cpu(), want)
+    # fewer signatures remembered than launches made: the later calls of each went direct
+    assert 0 < len(quantize._fp4_pair_kernel._compiled) < 10 and 0 < len(amax._finite_amax_kernel._compiled) < 5
