@@ -11,10 +11,10 @@ remembers, per call *signature*, the compiled kernel Triton's own first launch o
 later calls of that signature launch it directly. A signature holds everything Triton
 specializes a kernel on, and more: each positional argument's type, and for a tensor its dtype
 and whether its address is 16-byte aligned, for an int whether it is 1, a multiple of 16, and
-which integer type holds it, for a tensor descriptor its dtype, block, shape, strides and
-alignment; every keyword (the constexprs and launch options) by value; the device. Anything it
-cannot classify, and every call of a kernel the interpreter runs, goes through Triton's own path. Calls
-that differ in anything Triton would compile differently for never share an entry, so the
+which integer type holds it, for a tensor descriptor its dtype, block and alignment and whether
+each size and stride is a multiple of 16; every keyword (the constexprs and launch options) by
+value; the device. Anything it cannot classify, and every call of a kernel the interpreter runs,
+goes through Triton's own path. Calls that differ in anything Triton would compile differently for never share an entry, so the
 kernels and their bits are those of Triton's path (the GPU tests run every kernel through here;
 a CPU test holds the signature to Triton's own specializer). Triton's debug and instrumentation
 settings are part of the signature too. What a cached launch does not repeat is Triton's check

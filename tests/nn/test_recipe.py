@@ -186,3 +186,20 @@ def test_gains_are_allowed_on_every_recipe_and_round_trip(tmp_path):
         path = tmp_path / "r.toml"
         path.write_text(r.to_toml())
         assert load_recipe(path) == r
+
+
+def test_a_recipe_rule_is_worked_out_once_per_recipe_object():
+    from fp4lab.nn.recipe import recipe_rule
+    asked = []
+
+    @recipe_rule
+    def rule(recipe, gemm):
+        asked.append((id(recipe), gemm))
+        return recipe.gemm(gemm).a.quantized
+    a, b = preset("nvfp4"), preset("nvfp4")  # equal, distinct objects
+    assert a == b and a is not b
+    assert [rule(a, "fprop"), rule(a, "fprop"), rule(b, "fprop"), rule(a, "wgrad")] == [True] * 4
+    assert asked == [(id(a), "fprop"), (id(b), "fprop"), (id(a), "wgrad")]  # once per (object, keys)
+    for i in range(600):  # recipes made per call (at_progress after bf16_after): the memo stays bounded
+        rule(a.override({"seed": i}), "fprop")
+    assert rule(a, "fprop") is True
