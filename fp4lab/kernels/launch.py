@@ -99,20 +99,21 @@ class _Cached:
             self._constexpr = tuple(p.is_constexpr for p in self.kernel.params)
         # (a constexpr passed by position is keyed by its value, as Triton compiles for it)
         keys = [("constexpr", a) if c else _arg_key(a) for a, c in zip(args, self._constexpr)]
-        try:
-            key = (device, knobs.runtime.debug, knobs.compilation.instrumentation_mode, tuple(keys),
-                   tuple(kwargs.items()))
-            hit = self._compiled.get(key) if _UNKNOWN not in keys else None
-        except TypeError:  # an unhashable keyword value
-            key, hit = None, None
+        key = hit = None  # (key None: a call the cache does not take)
+        if _UNKNOWN not in keys:
+            try:
+                key = (device, knobs.runtime.debug, knobs.compilation.instrumentation_mode, tuple(keys),
+                       tuple(kwargs.items()))
+                hit = self._compiled.get(key)
+            except TypeError:  # an unhashable keyword value
+                key = None
         if hit is None:
             compiled = self.kernel[grid](*args, **kwargs)
-            if key is not None and _UNKNOWN not in keys:
-                tail = self._tail(len(args), kwargs)
-                if tail is not None and hasattr(compiled, "packed_metadata"):
-                    if len(self._compiled) >= _MAX_SIGNATURES:
-                        self._compiled.clear()
-                    self._compiled[key] = (compiled, tail)
+            tail = None if key is None else self._tail(len(args), kwargs)
+            if tail is not None and hasattr(compiled, "packed_metadata"):
+                if len(self._compiled) >= _MAX_SIGNATURES:
+                    self._compiled.clear()
+                self._compiled[key] = (compiled, tail)
             return compiled
         compiled, tail = hit
         stream = driver.active.get_current_stream(device)

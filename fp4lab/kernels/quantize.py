@@ -902,7 +902,7 @@ def grouped_column_block_values(x: torch.Tensor, fmt: Format, widths: list[int] 
         if rows is not None:
             rows = device_counts(rows, len(seeds), x.device, "rows").to(torch.int64)
     padded = x.shape[0] if rows is None else (
-        -(-(x.shape[0] + (COL_GROUP_WIDTH - 1) * len(widths)) // COL_GROUP_WIDTH) * COL_GROUP_WIDTH if on_device
+        cdiv(x.shape[0] + (COL_GROUP_WIDTH - 1) * len(widths), COL_GROUP_WIDTH) * COL_GROUP_WIDTH if on_device
         else sum(widths))
     if (x.dim() != 2 or x.shape[1] == 0 or len(widths) != len(seeds) or not on_device and (
             sum(widths) != padded or any(w <= 0 or w % COL_GROUP_WIDTH for w in widths)) or (signs is not None and (

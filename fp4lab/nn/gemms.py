@@ -195,9 +195,9 @@ def _pair_rule(recipe: Recipe, rows: tuple[str, str], columns: tuple[str, str]) 
     (gr, sr), (gc, sc) = rows, columns
     op_r, op_c = getattr(recipe.gemm(gr), sr), getattr(recipe.gemm(gc), sc)
     rotation = rotation_for(recipe.gemm(gc), recipe.seed, 0)  # its size and signs' rule (the seed decides neither)
-    return not (not (op_r.quantized and op_c.quantized) or op_r.format is not op_c.format
-                or op_r.block2d or op_c.block2d or op_r.dither or op_c.dither or recipe.gemm(gr).rotated
-                or (rotation is not None and not fuses_rotation(op_c, rotation)))
+    return (op_r.quantized and op_c.quantized and op_r.format is op_c.format
+            and not (op_r.block2d or op_c.block2d or op_r.dither or op_c.dither or recipe.gemm(gr).rotated)
+            and (rotation is None or fuses_rotation(op_c, rotation)))
 
 
 def keeps_x_wgrad(recipe: Recipe, x: torch.Tensor, grouped: bool, keep_x: bool) -> bool:
