@@ -173,9 +173,10 @@ def quantize_values_pair(x: torch.Tensor, fmt: str | Format, *, rows: dict, colu
         raise ValueError(f"quantize_values_pair: x {tuple(x.shape)} needs to be a matrix whose rows, padded to "
                          f"columns_len = {columns_len}, are a whole number of {spec.block_len}-blocks")
     if uses_triton(x, backend):
-        from .quantize import pair_refusal, unchecked_block_values_pair
-        if pair_refusal(x, spec.format, rows, columns, columns_len) is None:
-            return unchecked_block_values_pair(x, spec.format, rows=rows, columns=columns, columns_len=columns_len)
+        from .quantize import try_block_values_pair
+        pair = try_block_values_pair(x, spec.format, rows=rows, columns=columns, columns_len=columns_len)
+        if pair is not None:
+            return pair
     padded = torch.nn.functional.pad(x, (0, 0, 0, columns_len - x.shape[0])) if columns_len > x.shape[0] else x
     return (quantize_values(x, spec.format, backend=backend, **{"pad": True, **rows, "axis": 1}),
             quantize_values(padded, spec.format, backend=backend, **{"pad": True, **columns, "axis": 0}))
@@ -195,13 +196,14 @@ def values_mm(a: BlockValues, b: BlockValues, *, out_dtype: torch.dtype = torch.
     Triton: kernels.matmul.scaled_mm (alpha in the epilogue); reference: formats.emulated_mm's
     operations (fp32 matmul of the exact values, then alpha, then the cast)."""
     _check_values_pair(a, b)
-    scale = operand_alpha(a, b)
     if uses_triton(a.values, backend):
         if out_dtype in (torch.float32, torch.bfloat16):
             from .matmul import scaled_mm
-            return scaled_mm(a.matrix, b.matrix, scale, out_dtype=out_dtype)
+            # the two tensor scales go to the epilogue, which multiplies them (no launch for alpha)
+            scales = None if a.tensor_scale is None or b.tensor_scale is None else (a.tensor_scale, b.tensor_scale)
+            return scaled_mm(a.matrix, b.matrix, scales, out_dtype=out_dtype)
         _warn_once(f"fp4lab.kernels.values_mm writes float32 or bfloat16; {out_dtype} runs the reference matmul")
-    return ((a.matrix.to(torch.float32) @ b.matrix.to(torch.float32).T) * scale).to(out_dtype)
+    return ((a.matrix.to(torch.float32) @ b.matrix.to(torch.float32).T) * operand_alpha(a, b)).to(out_dtype)
 
 
 def _check_values_pair(a: BlockValues, b: BlockValues) -> None:

@@ -33,9 +33,12 @@ _MAX_SIGNATURES = 512  # per kernel; past it the remembered signatures are dropp
 _triton = None  # (triton.runtime.driver, triton.knobs), imported at the first launch
 
 
+_I32, _U64 = 1 << 31, 1 << 63
+
+
 def _int_class(value: int) -> tuple:
     # Triton's int specializations: 1, divisible by 16, and i32 / i64 / u64 by range
-    return value == 1, value % 16 == 0, -(1 << 31) <= value < (1 << 31), value < (1 << 63)
+    return value == 1, value % 16 == 0, -_I32 <= value < _I32, value < _U64
 
 
 def _tensor_key(arg: torch.Tensor) -> tuple:
@@ -69,6 +72,29 @@ def _arg_key(arg):
     return _UNKNOWN
 
 
+def _signature(args: tuple, constexpr: tuple[bool, ...]) -> tuple | None:
+    """The positional arguments' keys (_arg_key; a constexpr by value), flattened into one tuple,
+    or None where one is unknown. The two commonest kinds, tensors and ints, are keyed inline (a
+    tensor as its dtype and alignment, an int as _int_class's four answers packed into one small
+    int): a launch keys a dozen or two arguments, and a function call and a nested tuple each
+    were the larger part of a cached launch's host time."""
+    keys = []
+    for arg, const in zip(args, constexpr):
+        kind = type(arg)
+        if const:
+            keys += ("constexpr", arg)
+        elif kind is torch.Tensor:
+            keys += (arg.dtype, arg.data_ptr() % 16 == 0)
+        elif kind is int:
+            keys += (int, (arg == 1) + 2 * (arg % 16 == 0) + 4 * (-_I32 <= arg < _I32) + 8 * (arg < _U64))
+        else:
+            key = _arg_key(arg)
+            if key is _UNKNOWN:
+                return None
+            keys += (kind, key)
+    return tuple(keys)
+
+
 class _Cached:
     """A Triton kernel whose launches skip Triton's per-call binding where a signature repeats."""
 
@@ -97,12 +123,11 @@ class _Cached:
             return self.kernel[grid](*args, **kwargs)
         if self._constexpr is None:
             self._constexpr = tuple(p.is_constexpr for p in self.kernel.params)
-        # (a constexpr passed by position is keyed by its value, as Triton compiles for it)
-        keys = [("constexpr", a) if c else _arg_key(a) for a, c in zip(args, self._constexpr)]
-        key = hit = None  # (key None: a call the cache does not take)
-        if _UNKNOWN not in keys:
+        signature = _signature(args, self._constexpr)  # (None: a call the cache does not take)
+        key = hit = None
+        if signature is not None:
             try:
-                key = (device, knobs.runtime.debug, knobs.compilation.instrumentation_mode, tuple(keys),
+                key = (device, knobs.runtime.debug, knobs.compilation.instrumentation_mode, signature,
                        tuple(kwargs.items()))
                 hit = self._compiled.get(key)
             except TypeError:  # an unhashable keyword value
@@ -113,11 +138,18 @@ class _Cached:
             if tail is not None and hasattr(compiled, "packed_metadata"):
                 if len(self._compiled) >= _MAX_SIGNATURES:
                     self._compiled.clear()
+                compiled._init_handles()  # (loaded by the launch above; run, function are set)
                 self._compiled[key] = (compiled, tail)
             return compiled
         compiled, tail = hit
         stream = driver.active.get_current_stream(device)
-        compiled[(*grid, 1, 1)[:3]](*args, *tail, stream=stream)
+        # what CompiledKernel[grid](*args, stream=stream) runs, without making its closure each call
+        grid = (*grid, 1, 1)
+        args = (*args, *tail)
+        enter = knobs.runtime.launch_enter_hook
+        metadata = None if enter is None else compiled.launch_metadata(grid[:3], stream, *args)
+        compiled.run(grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata, metadata, enter,
+                     knobs.runtime.launch_exit_hook, *args)
         return compiled
 
     def _tail(self, given: int, kwargs: dict) -> tuple | None:

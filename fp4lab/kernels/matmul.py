@@ -97,10 +97,16 @@ def _tile(pid, tile_group_ptr, tile_row_ptr, group_end_ptr, M, N, GROUPED: tl.co
 
 
 @triton.jit
-def _store_scaled(acc, alpha_ptr, g, s_alpha, c_ptr, rm, rn, row_end, N, s_cm, s_cn, BF16_OUT: tl.constexpr):
-    """The epilogue: acc * alpha[g], cast (bf16 round to nearest even), stored where rows and
-    columns are inside the group and the matrix."""
-    acc = acc * tl.load(alpha_ptr + g * s_alpha)
+def _store_scaled(acc, alpha_ptr, beta_ptr, g, s_alpha, c_ptr, rm, rn, row_end, N, s_cm, s_cn,
+                  BF16_OUT: tl.constexpr, ALPHA: tl.constexpr):
+    """The epilogue: acc * alpha[g] (ALPHA 1), acc * (alpha * beta) (ALPHA 2: a dense GEMM's two
+    tensor scales, multiplied here in fp32 as a separate multiply would), or acc (ALPHA 0: no
+    scale); cast (bf16 round to nearest even), stored where rows and columns are inside the group
+    and the matrix."""
+    if ALPHA == 2:
+        acc = acc * (tl.load(alpha_ptr) * tl.load(beta_ptr))
+    elif ALPHA == 1:
+        acc = acc * tl.load(alpha_ptr + g * s_alpha)
     c = c_ptr + rm.to(tl.int64)[:, None] * s_cm + rn.to(tl.int64)[None, :] * s_cn
     live = (rm[:, None] < row_end) & (rn[None, :] < N)
     if BF16_OUT:
@@ -137,11 +143,11 @@ def _accumulate(a_ptr, b_ptr, rm_in, rn_in, s_am, s_ak, s_bn, s_bk, K, EVEN_K: t
 
 @cached  # (launched through kernels.launch)
 @triton.jit
-def _scaled_mm_kernel(a_ptr, b_ptr, c_ptr, alpha_ptr, tile_group_ptr, tile_row_ptr, group_end_ptr,
+def _scaled_mm_kernel(a_ptr, b_ptr, c_ptr, alpha_ptr, beta_ptr, tile_group_ptr, tile_row_ptr, group_end_ptr,
                       M, N, K, s_am, s_ak, s_bg, s_bn, s_bk, s_cm, s_cn, s_alpha,
                       GROUPED: tl.constexpr, BF16_OUT: tl.constexpr, EVEN_K: tl.constexpr,
                       DOT_F32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                      GROUP_M: tl.constexpr):
+                      GROUP_M: tl.constexpr, ALPHA: tl.constexpr):
     g, row0, row_end, pid_n = _tile(tl.program_id(0), tile_group_ptr, tile_row_ptr, group_end_ptr, M, N,
                                     GROUPED, BM, BN, GROUP_M)
     if GROUPED:
@@ -153,7 +159,7 @@ def _scaled_mm_kernel(a_ptr, b_ptr, c_ptr, alpha_ptr, tile_group_ptr, tile_row_p
     rm_in = tl.minimum(rm, row_end - 1).to(tl.int64)
     rn_in = tl.minimum(rn, N - 1).to(tl.int64)
     acc = _accumulate(a_ptr, b_ptr, rm_in, rn_in, s_am, s_ak, s_bn, s_bk, K, EVEN_K, DOT_F32, BM, BN, BK)
-    _store_scaled(acc, alpha_ptr, g, s_alpha, c_ptr, rm, rn, row_end, N, s_cm, s_cn, BF16_OUT)
+    _store_scaled(acc, alpha_ptr, beta_ptr, g, s_alpha, c_ptr, rm, rn, row_end, N, s_cm, s_cn, BF16_OUT, ALPHA)
 
 
 @cached  # (launched through kernels.launch)
@@ -179,15 +185,17 @@ def _contraction_grouped_kernel(a_ptr, b_ptr, c_ptr, alpha_ptr, k_start_ptr, k_w
         width = tl.multiple_of(width, K_MULTIPLE)
     acc = _accumulate(a_ptr + k0 * s_ak, b_ptr + k0 * s_bk, rm_in, rn_in, s_am, s_ak, s_bn, s_bk,
                       width, EVEN_K, DOT_F32, BM, BN, BK)
-    _store_scaled(acc, alpha_ptr, g, 1, c_ptr + g.to(tl.int64) * s_cg, rm, rn, M, N, s_cm, s_cn, BF16_OUT)
+    _store_scaled(acc, alpha_ptr, alpha_ptr, g, 1, c_ptr + g.to(tl.int64) * s_cg, rm, rn, M, N, s_cm, s_cn, BF16_OUT,
+                  1)
 
 
 @cached  # (launched through kernels.launch)
 @triton.jit
-def _scaled_mm_tma_kernel(a_desc, b_desc, c_ptr, alpha_ptr, tile_group_ptr, tile_row_ptr, group_end_ptr,
+def _scaled_mm_tma_kernel(a_desc, b_desc, c_ptr, alpha_ptr, beta_ptr, tile_group_ptr, tile_row_ptr, group_end_ptr,
                           M, N, K, s_cm, s_cn, s_alpha, b_group_rows,
                           GROUPED: tl.constexpr, B_KN: tl.constexpr, BF16_OUT: tl.constexpr,
-                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
+                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                          ALPHA: tl.constexpr):
     """The same GEMM with tiles brought in by Hopper's tensor memory accelerator (TMA descriptors:
     out-of-range reads are zeros). b is [G * b_group_rows, K] (K-major: group g's B from row
     g * b_group_rows) or, with B_KN, [G * b_group_rows, N] (group g's B^T from that row). Grouped:
@@ -205,15 +213,15 @@ def _scaled_mm_tma_kernel(a_desc, b_desc, c_ptr, alpha_ptr, tile_group_ptr, tile
             acc = tl.dot(a, b_desc.load([b_row0 + k0, n0]), acc)
         else:
             acc = tl.dot(a, b_desc.load([b_row0 + n0, k0]).T, acc)
-    _store_scaled(acc, alpha_ptr, g, s_alpha, c_ptr, row0 + tl.arange(0, BM), n0 + tl.arange(0, BN), row_end, N,
-                  s_cm, s_cn, BF16_OUT)
+    _store_scaled(acc, alpha_ptr, beta_ptr, g, s_alpha, c_ptr, row0 + tl.arange(0, BM), n0 + tl.arange(0, BN),
+                  row_end, N, s_cm, s_cn, BF16_OUT, ALPHA)
 
 
 @cached  # (launched through kernels.launch)
 @triton.jit
-def _scaled_mm_persistent_kernel(a_desc, b_desc, c_ptr, alpha_ptr, M, N, K, s_cm, s_cn, programs,
+def _scaled_mm_persistent_kernel(a_desc, b_desc, c_ptr, alpha_ptr, beta_ptr, M, N, K, s_cm, s_cn, programs,
                                  B_KN: tl.constexpr, BF16_OUT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                                 BK: tl.constexpr, GROUP_M: tl.constexpr):
+                                 BK: tl.constexpr, GROUP_M: tl.constexpr, ALPHA: tl.constexpr):
     """The dense TMA GEMM as a persistent kernel: ``programs`` programs (one an SM, at most one a
     tile; a run-time number, so a new output size does not compile again) walk the output
     tiles in _tile's order, one K loop after another flattened into a single pipelined loop, so
@@ -241,8 +249,8 @@ def _scaled_mm_persistent_kernel(a_desc, b_desc, c_ptr, alpha_ptr, M, N, K, s_cm
         else:
             acc = tl.dot(a, b_desc.load([n0, ki * BK]).T, acc)
         if ki == k_steps - 1:
-            _store_scaled(acc, alpha_ptr, 0, 0, c_ptr, row0 + tl.arange(0, BM), n0 + tl.arange(0, BN), M, N,
-                          s_cm, s_cn, BF16_OUT)
+            _store_scaled(acc, alpha_ptr, beta_ptr, 0, 0, c_ptr, row0 + tl.arange(0, BM), n0 + tl.arange(0, BN), M,
+                          N, s_cm, s_cn, BF16_OUT, ALPHA)
             acc = tl.zeros((BM, BN), dtype=tl.float32)
 
 
@@ -277,15 +285,16 @@ def _descriptors(a: torch.Tensor, b: torch.Tensor, bm: int, bn: int, bk: int):
     return TensorDescriptor.from_tensor(a, [bm, bk]), TensorDescriptor.from_tensor(b_mat, block), kn, rows
 
 
-def _check(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, alpha: torch.Tensor) -> None:
+def _check(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, *alphas: torch.Tensor) -> None:
     if a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16:
         raise TypeError(f"scaled_mm takes bfloat16 operands, got {a.dtype} and {b.dtype}")
     if out_dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"scaled_mm writes float32 or bfloat16, got {out_dtype}")
     if a.shape[-1] != b.shape[-1]:
         raise ValueError(f"K mismatch: a is {tuple(a.shape)}, b is {tuple(b.shape)}")
-    if alpha.dtype != torch.float32 or alpha.device != a.device:
-        raise TypeError(f"alpha must be a float32 tensor on {a.device}, got {alpha.dtype} on {alpha.device}")
+    for alpha in alphas:
+        if alpha.dtype != torch.float32 or alpha.device != a.device:
+            raise TypeError(f"alpha must be a float32 tensor on {a.device}, got {alpha.dtype} on {alpha.device}")
 
 
 def _tile_shape() -> tuple[int, int, int]:
@@ -314,7 +323,9 @@ def _config(m: int, n: int, grouped: bool, device: torch.device, persistent: boo
     return _TINY_OUT if 2 * cdiv(m, 128) * cdiv(n, 128) < sms else _SMALL_OUT
 
 
-def _launch(a, b, out, alpha, grid, tiles, m, n, k, s_bg, s_alpha, grouped):
+def _launch(a, b, out, alpha, beta, mode, grid, tiles, m, n, k, s_bg, s_alpha, grouped):
+    """One GEMM launch: the persistent TMA kernel, the TMA kernel or the pointer kernel (module
+    doc), the epilogue scaling by alpha and beta as ``mode`` says (_store_scaled's ALPHA)."""
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     persistent = PERSISTENT and not grouped and not interpreted and USE_TMA
     bm, bn, bk, warps, stages = _config(m, n, grouped, a.device, persistent)
@@ -330,36 +341,43 @@ def _launch(a, b, out, alpha, grid, tiles, m, n, k, s_bg, s_alpha, grouped):
         # tile's loads are in flight): as many stages as fit beside it in an SM's shared memory
         epilogue = bm * bn * out.element_size()
         stages = max(1, min(stages, (_SHARED_BYTES - epilogue) // ((bm + bn) * bk * a.element_size())))
-        _scaled_mm_persistent_kernel[(programs,)](a_desc, b_desc, out, alpha, m, n, k, out.stride(0), out.stride(1),
-                                                  programs, B_KN=kn, BF16_OUT=out.dtype == torch.bfloat16, BM=bm,
-                                                  BN=bn, BK=bk, GROUP_M=8, num_warps=warps, num_stages=stages)
+        _scaled_mm_persistent_kernel[(programs,)](a_desc, b_desc, out, alpha, beta, m, n, k, out.stride(0),
+                                                  out.stride(1), programs, B_KN=kn,
+                                                  BF16_OUT=out.dtype == torch.bfloat16, BM=bm, BN=bn, BK=bk,
+                                                  GROUP_M=8, ALPHA=mode, num_warps=warps, num_stages=stages)
         return
     if tma is not None:
         a_desc, b_desc, kn, group_rows = tma
-        _scaled_mm_tma_kernel[grid(bm, bn)](a_desc, b_desc, out, alpha, *tiles, m, n, k, out.stride(0), out.stride(1),
-                                            s_alpha, group_rows if grouped else 0, GROUPED=grouped, B_KN=kn,
-                                            BF16_OUT=out.dtype == torch.bfloat16, BM=bm, BN=bn, BK=bk, GROUP_M=8,
-                                            num_warps=warps, num_stages=stages)
+        _scaled_mm_tma_kernel[grid(bm, bn)](a_desc, b_desc, out, alpha, beta, *tiles, m, n, k, out.stride(0),
+                                            out.stride(1), s_alpha, group_rows if grouped else 0, GROUPED=grouped,
+                                            B_KN=kn, BF16_OUT=out.dtype == torch.bfloat16, BM=bm, BN=bn, BK=bk,
+                                            GROUP_M=8, ALPHA=mode, num_warps=warps, num_stages=stages)
         return
-    _scaled_mm_kernel[grid(bm, bn)](a, b, out, alpha, *tiles, m, n, k, a.stride(0), a.stride(1), s_bg,
+    _scaled_mm_kernel[grid(bm, bn)](a, b, out, alpha, beta, *tiles, m, n, k, a.stride(0), a.stride(1), s_bg,
                                     b.stride(-2), b.stride(-1), out.stride(0), out.stride(1), s_alpha,
                                     GROUPED=grouped, BF16_OUT=out.dtype == torch.bfloat16, EVEN_K=k % bk == 0,
-                                    DOT_F32=interpreted, BM=bm, BN=bn, BK=bk, GROUP_M=8,
+                                    DOT_F32=interpreted, BM=bm, BN=bn, BK=bk, GROUP_M=8, ALPHA=mode,
                                     num_warps=warps, num_stages=stages)
 
 
-def scaled_mm(a: torch.Tensor, b: torch.Tensor, alpha: torch.Tensor, *,
+def scaled_mm(a: torch.Tensor, b: torch.Tensor, alpha: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None, *,
               out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """a: [M, K] bf16, b: [N, K] bf16 (any strides), alpha: [] fp32 -> alpha * (a @ b^T): [M, N]."""
-    _check(a, b, out_dtype, alpha)
+    """a: [M, K] bf16, b: [N, K] bf16 (any strides), alpha: [] fp32 -> alpha * (a @ b^T): [M, N].
+    ``alpha`` may also be two [] fp32 tensors (S_dec_A, S_dec_B), multiplied in the epilogue as
+    ``S_dec_A * S_dec_B`` would be (the same bits, without a launch for the product), or None: 1."""
+    pair = alpha if isinstance(alpha, tuple) else (alpha,) if alpha is not None else ()
+    _check(a, b, out_dtype, *pair)
+    if any(v.numel() != 1 for v in pair):
+        raise ValueError(f"scaled_mm takes one-element alphas, got shapes {[tuple(v.shape) for v in pair]}")
     if a.dim() != 2 or b.dim() != 2:
         raise ValueError(f"scaled_mm takes 2D operands, got {tuple(a.shape)} and {tuple(b.shape)}")
     (m, k), n = a.shape, b.shape[0]
     out, done = _output(m, n, k, out_dtype, a.device)
     if done:
         return out
-    alpha = alpha.reshape(1)
-    _launch(a, b, out, alpha, lambda bm, bn: (cdiv(m, bm) * cdiv(n, bn),), None, m, n, k, 0, 0, False)
+    first = pair[0] if pair else out  # (an unused pointer where there is no scale)
+    _launch(a, b, out, first, pair[-1] if pair else out, len(pair), lambda bm, bn: (cdiv(m, bm) * cdiv(n, bn),), None,
+            m, n, k, 0, 0, False)
     return out
 
 
@@ -432,8 +450,9 @@ def grouped_scaled_mm(a: torch.Tensor, b: torch.Tensor, sizes: Sequence[int] | t
     bm = _tile_shape()[0]  # the launch's row tile: the tile list is cut to it
     tiles = _device_tiles(sizes, s, bm) if isinstance(sizes, torch.Tensor) else _host_tiles(sizes, bm, a.device)
     s_alpha = 1 if alpha.numel() > 1 else 0
-    _launch(a, b, out, alpha.reshape(-1).contiguous(), lambda _bm, bn: (tiles[0].numel() * cdiv(n, bn),),
-            tiles, s, n, k, b.stride(0), s_alpha, True)
+    alpha = alpha.reshape(-1).contiguous()
+    _launch(a, b, out, alpha, alpha, 1, lambda _bm, bn: (tiles[0].numel() * cdiv(n, bn),), tiles, s, n, k,
+            b.stride(0), s_alpha, True)
     return out
 
 

@@ -22,7 +22,8 @@ what quantizing it alone gives.
 
 Public: ``quantize_nvfp4``, ``quantize_mxfp4`` (same signatures as fp4lab.formats),
 ``nvfp4_block_values``, ``mxfp4_block_values`` (the same quantize written as exact bf16 block
-values), ``block_values_pair`` (a linear's two copies of one tensor from one read),
+values), ``block_values_pair`` (a linear's two copies of one tensor from one read; ``try_block_values_pair``
+and ``pair_refusal`` for callers with a fallback),
 ``grouped_block_values`` and ``grouped_column_block_values`` (wgrad's operands: groups
 along the block axis, each a whole number of column tiles, so a program's group is one scalar).
 """
@@ -714,21 +715,31 @@ def _fused_rotation(x: torch.Tensor, axis: int, size: int, hadamard: str | Hadam
 PAIR_TILE = (64, 32, 4)
 
 
+_PAIR_KEYWORDS = frozenset({"rounding", "seed", "profile", "mode", "block", "pad", "hadamard", "hadamard_seed"})
+_PER_CALL = ("seed", "hadamard_seed")  # (the keywords whose values differ call by call: not in a plan)
+
+
 def pair_refusal(x: torch.Tensor, fmt: Format, rows: dict, columns: dict, columns_len: int) -> str | None:
     """Why block_values_pair does not cover a call (the caller quantizes the copies one by one),
     or None: a 2D bf16/fp32 matrix with no empty axis, K and the padded rows multiples of the
     block, 1-row blocks, no rotation of the rows copy, TE's signs at 16 points only."""
+    plan = _pair_plan(x, fmt, rows, columns, columns_len)
+    return plan if isinstance(plan, str) else None
+
+
+def _refusal(shape: tuple[int, ...], dtype: torch.dtype, fmt: Format, rows: dict, columns: dict,
+             columns_len: int) -> str | None:
+    """pair_refusal's rule, from x's shape and dtype."""
     size = 16 if fmt is Format.NVFP4 else MX_BLOCK
     for copy, kw in enumerate((rows, columns)):
-        unknown = set(kw) - {"rounding", "seed", "profile", "mode", "block", "pad", "hadamard", "hadamard_seed"}
         block = _nvfp4_block(kw.get("block", 16)) if fmt is Format.NVFP4 else (1, MX_BLOCK)
-        if unknown or block != (1, size) or (copy == 0 and kw.get("hadamard") is not None):
+        if set(kw) - _PAIR_KEYWORDS or block != (1, size) or (copy == 0 and kw.get("hadamard") is not None):
             return f"1-row blocks and no rotation of the rows copy, got {kw}"
     signs = columns.get("hadamard")
-    if (x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float32) or 0 in x.shape or x.shape[1] % size
-            or columns_len < x.shape[0] or columns_len % size
+    if (len(shape) != 2 or dtype not in (torch.bfloat16, torch.float32) or 0 in shape or shape[1] % size
+            or columns_len < shape[0] or columns_len % size
             or (signs is not None and HadamardSigns.parse(signs) is HadamardSigns.TE and size != 16)):
-        return (f"x {tuple(x.shape)} {x.dtype} with {columns_len} column-copy rows (bf16/fp32, no empty axis, K "
+        return (f"x {tuple(shape)} {dtype} with {columns_len} column-copy rows (bf16/fp32, no empty axis, K "
                 f"and the padded rows multiples of {size}, TE's signs at 16 points)")
     return None
 
@@ -744,49 +755,84 @@ def block_values_pair(x: torch.Tensor, fmt: Format, *, rows: dict, columns: dict
     Keywords: rounding, seed, profile (NVFP4) or mode (MXFP4), block (1-row blocks only); the
     columns copy also hadamard and hadamard_seed. Seeds may be device tensors. Two launches for
     NVFP4 (one pass for both tensor amaxes, one for both copies), one for MXFP4."""
-    refusal = pair_refusal(x, fmt, rows, columns, columns_len)
-    if refusal:
-        raise ValueError(f"block_values_pair: {refusal}")
-    return unchecked_block_values_pair(x, fmt, rows=rows, columns=columns, columns_len=columns_len)
+    pair = try_block_values_pair(x, fmt, rows=rows, columns=columns, columns_len=columns_len)
+    if pair is None:
+        raise ValueError(f"block_values_pair: {pair_refusal(x, fmt, rows, columns, columns_len)}")
+    return pair
 
 
-def unchecked_block_values_pair(x: torch.Tensor, fmt: Format, *, rows: dict, columns: dict, columns_len: int
-                                ) -> tuple[BlockValues, BlockValues]:
-    """block_values_pair for a caller that has just asked pair_refusal (kernels.quantize_values_pair)."""
-    size = 16 if fmt is Format.NVFP4 else MX_BLOCK
-    rules = [NV_RULES[NVFP4Profile.parse(kw.get("profile", NVFP4Profile.TE))] if fmt is Format.NVFP4
-             else MX_RULES[MXScaleMode.parse(kw.get("mode", MXScaleMode.FLOOR))] for kw in (rows, columns)]
-    roundings = [Rounding.parse(kw.get("rounding", Rounding.RTNE)) for kw in (rows, columns)]
-    stochastic = [r is Rounding.STOCHASTIC for r in roundings]
-    signs = columns.get("hadamard")
-    signs = None if signs is None else HadamardSigns.parse(signs)
+class _PairPlan:
+    """What a pair launch takes from its call's shape, dtype and keywords (seeds aside): worked out
+    once per such call (an FP4 linear makes the same two calls every step) and kept."""
+
+    def __init__(self, shape: tuple[int, int], fmt: Format, rows: dict, columns: dict, columns_len: int) -> None:
+        self.nvfp4 = fmt is Format.NVFP4
+        rules = [NV_RULES[NVFP4Profile.parse(kw.get("profile", NVFP4Profile.TE))] if self.nvfp4
+                 else MX_RULES[MXScaleMode.parse(kw.get("mode", MXScaleMode.FLOOR))] for kw in (rows, columns)]
+        self.roundings = [Rounding.parse(kw.get("rounding", Rounding.RTNE)) for kw in (rows, columns)]
+        signs = columns.get("hadamard")
+        self.signs = None if signs is None else HadamardSigns.parse(signs)
+        bm, bk, warps = PAIR_TILE
+        m, k = shape
+        self.grid = (cdiv(columns_len, bm), cdiv(k, bk))
+        self.options = dict(RULE_R=rules[0], RULE_C=rules[1], BLOCK=16 if self.nvfp4 else MX_BLOCK,
+                            STOCHASTIC_R=self.roundings[0] is Rounding.STOCHASTIC,
+                            STOCHASTIC_C=self.roundings[1] is Rounding.STOCHASTIC,
+                            HADAMARD_C=NO_ROTATION.value if self.signs is None else HADAMARD_RULES[self.signs],
+                            BM=bm, BK=bk, num_warps=warps, enable_fp_fusion=False)
+
+
+_PAIR_PLANS: dict[tuple, _PairPlan | str] = {}
+_MAX_PAIR_PLANS = 256
+
+
+def _pair_plan(x: torch.Tensor, fmt: Format, rows: dict, columns: dict, columns_len: int) -> _PairPlan | str:
+    """The call's _PairPlan, or why the pair kernel does not cover it (pair_refusal)."""
+    try:
+        key = (fmt, tuple(x.shape), x.dtype, columns_len, *((k, v) for k, v in rows.items() if k not in _PER_CALL),
+               None, *((k, v) for k, v in columns.items() if k not in _PER_CALL))
+        plan = _PAIR_PLANS.get(key)
+    except TypeError:  # an unhashable keyword value: worked out afresh
+        key = plan = None
+    if plan is None:
+        plan = _refusal(tuple(x.shape), x.dtype, fmt, rows, columns, columns_len) or _PairPlan(
+            tuple(x.shape), fmt, rows, columns, columns_len)
+        if key is not None:
+            if len(_PAIR_PLANS) >= _MAX_PAIR_PLANS:
+                _PAIR_PLANS.clear()
+            _PAIR_PLANS[key] = plan
+    return plan
+
+
+def try_block_values_pair(x: torch.Tensor, fmt: Format, *, rows: dict, columns: dict, columns_len: int
+                          ) -> tuple[BlockValues, BlockValues] | None:
+    """block_values_pair, or None where pair_refusal refuses the call (one plan lookup answers both)."""
+    plan = _pair_plan(x, fmt, rows, columns, columns_len)
+    if isinstance(plan, str):
+        return None
     # seeds resolved in the two calls' order (rows; then the columns' rotation, then their rounding),
     # so a generator or None draws what the two calls would draw
-    seed_r = _seed(roundings[0], rows.get("seed"))
-    h_seed = _kernel_seed(columns.get("hadamard_seed")) if signs is HadamardSigns.RANDOM else 0
-    seeds = (seed_r, _seed(roundings[1], columns.get("seed")))
-    rotation = NO_ROTATION.value if signs is None else HADAMARD_RULES[signs]
+    seed_r = _seed(plan.roundings[0], rows.get("seed"))
+    h_seed = _kernel_seed(columns.get("hadamard_seed")) if plan.signs is HadamardSigns.RANDOM else 0
+    seeds = (seed_r, _seed(plan.roundings[1], columns.get("seed")), h_seed)
     x = x.contiguous()
     m, k = x.shape
-    rows_v = torch.empty(m, k, dtype=torch.int16, device=x.device)
-    cols_v = torch.empty(k, columns_len, dtype=torch.int16, device=x.device)
-    nvfp4 = fmt is Format.NVFP4
-    amax = torch.zeros(2, dtype=torch.int32, device=x.device) if nvfp4 else rows_v
-    s_dec = torch.empty(2, dtype=torch.float32, device=x.device) if nvfp4 else rows_v  # written by the kernel
-    bm, bk, warps = PAIR_TILE
-    in_memory = [isinstance(v, torch.Tensor) for v in (*seeds, h_seed)]
-    ints = [0 if mem else v for v, mem in zip((*seeds, h_seed), in_memory)]
-    ptrs = [v if mem else rows_v for v, mem in zip((*seeds, h_seed), in_memory)]
+    device = x.device
+    rows_v = torch.empty(m, k, dtype=torch.int16, device=device)
+    cols_v = torch.empty(k, columns_len, dtype=torch.int16, device=device)
+    # NVFP4: both tensor amaxes (zeroed: the first pass takes atomic maxima) and both S_dec
+    amax = torch.zeros(2, dtype=torch.int32, device=device) if plan.nvfp4 else rows_v
+    s_dec = torch.empty(2, dtype=torch.float32, device=device) if plan.nvfp4 else rows_v  # written by the kernel
+    in_memory = [isinstance(v, torch.Tensor) for v in seeds]
+    ints = [0 if mem else v for v, mem in zip(seeds, in_memory)]
+    ptrs = [v if mem else rows_v for v, mem in zip(seeds, in_memory)]
     bf16 = x.dtype == torch.bfloat16
-    passes = (True, False) if nvfp4 else (False,)
-    for amax_only in passes:
-        _fp4_pair_kernel[(cdiv(columns_len, bm), cdiv(k, bk))](
-            x.view(torch.int16) if bf16 else x, rows_v, cols_v, amax, s_dec, *ints, *ptrs, m, k, columns_len, k,
-            RULE_R=rules[0], RULE_C=rules[1], BLOCK=size, STOCHASTIC_R=stochastic[0], STOCHASTIC_C=stochastic[1],
-            HADAMARD_C=rotation, BF16_BITS=bf16, AMAX_ONLY=amax_only, SEED_R_IN_MEMORY=in_memory[0],
-            SEED_C_IN_MEMORY=in_memory[1], H_SEED_IN_MEMORY=in_memory[2], BM=bm, BK=bk, num_warps=warps,
-            enable_fp_fusion=False)
-    scales = (s_dec[0], s_dec[1]) if nvfp4 else (None, None)
+    src = x.view(torch.int16) if bf16 else x
+    for amax_only in (True, False) if plan.nvfp4 else (False,):
+        _fp4_pair_kernel[plan.grid](src, rows_v, cols_v, amax, s_dec, *ints, *ptrs, m, k, columns_len, k,
+                                    BF16_BITS=bf16, AMAX_ONLY=amax_only, SEED_R_IN_MEMORY=in_memory[0],
+                                    SEED_C_IN_MEMORY=in_memory[1], H_SEED_IN_MEMORY=in_memory[2], **plan.options)
+    scales = (s_dec[0], s_dec[1]) if plan.nvfp4 else (None, None)
     return (BlockValues(rows_v.view(torch.bfloat16), scales[0], m, fmt),
             BlockValues(cols_v.view(torch.bfloat16), scales[1], k, fmt))
 

@@ -18,13 +18,22 @@ class _Param:
 
 
 class _Compiled:
-    packed_metadata = b""
+    """A CompiledKernel's launch surface: its loaded handles and the launcher ``run``."""
+
+    packed_metadata, function = b"", "cu_function"
 
     def __init__(self, log):
-        self.log = log
+        self.log, self.loaded = log, False
 
-    def __getitem__(self, grid):
-        return lambda *args, stream=None: self.log.append(("direct", grid, args, stream))
+    def _init_handles(self):
+        self.loaded = True
+
+    def launch_metadata(self, grid, stream, *args):
+        return None
+
+    def run(self, g0, g1, g2, stream, function, packed, metadata, enter, exit_hook, *args):
+        assert self.loaded and function == self.function and packed == self.packed_metadata
+        self.log.append(("direct", (g0, g1, g2), args, stream))
 
 
 class _Kernel:

@@ -38,6 +38,22 @@ def test_dense_matches_float64_to_summation_order(m, n, k):
     assert bf16.dtype == torch.bfloat16 and torch.equal(bf16, out.bfloat16())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_two_scales_are_their_product_and_none_is_one(dtype):
+    """alpha given as (S_dec_A, S_dec_B) is multiplied in the epilogue: the bits of alpha = their
+    fp32 product (scales whose product rounds, one subnormal); None scales by nothing (alpha 1)."""
+    a, b = _operands(40, 72, 96, 5)
+    a, b = a.to(DEVICE), b.to(DEVICE)
+    for sa, sb in [(0.1, 0.3), (1 / 3, 7 / 11), (2.0**-70, 2.0**-60), (3e38, 0.5)]:
+        pair = (torch.tensor(sa, device=DEVICE), torch.tensor(sb, device=DEVICE))
+        got = scaled_mm(a, b, pair, out_dtype=dtype)
+        assert torch.equal(got, scaled_mm(a, b, pair[0] * pair[1], out_dtype=dtype)), (sa, sb)
+    one = torch.tensor(1.0, device=DEVICE)
+    assert torch.equal(scaled_mm(a, b, None, out_dtype=dtype), scaled_mm(a, b, one, out_dtype=dtype))
+    with pytest.raises(TypeError):
+        scaled_mm(a, b, (one, one.double()))
+
+
 def test_strided_operands_give_the_same_result():
     a, b = _operands(48, 40, 64, 1)
     alpha = torch.tensor(1.0, device=DEVICE)
@@ -349,6 +365,6 @@ def test_the_persistent_loop_visits_every_tile_once(m, n, k, programs, b_kn):
     b_desc = (TensorDescriptor.from_tensor(b.T.contiguous(), [16, 32]) if b_kn
               else TensorDescriptor.from_tensor(b, [32, 16]))
     matmul._scaled_mm_persistent_kernel[(programs,)](
-        TensorDescriptor.from_tensor(a, [16, 16]), b_desc, out, torch.tensor([0.5]), m, n, k, out.stride(0),
-        out.stride(1), programs, B_KN=b_kn, BF16_OUT=False, BM=16, BN=32, BK=16, GROUP_M=2)
-    assert torch.equal(out, (a @ b.T) * 0.5)
+        TensorDescriptor.from_tensor(a, [16, 16]), b_desc, out, torch.tensor([0.5]), torch.tensor([0.25]), m, n, k,
+        out.stride(0), out.stride(1), programs, B_KN=b_kn, BF16_OUT=False, BM=16, BN=32, BK=16, GROUP_M=2, ALPHA=2)
+    assert torch.equal(out, (a @ b.T) * 0.125)

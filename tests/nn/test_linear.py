@@ -262,9 +262,13 @@ def test_triton_path_gives_the_reference_bytes(n, k, name, monkeypatch):
         monkeypatch.setenv("FP4LAB_BACKEND", backend)
         rec = _Recorder(monkeypatch)
         fused = []
-        real = triton_quantize.unchecked_block_values_pair  # (block_values_pair's launches)
-        monkeypatch.setattr(triton_quantize, "unchecked_block_values_pair",
-                            lambda *a, **kw: fused.append(1) or real(*a, **kw))
+        real = triton_quantize.try_block_values_pair  # (block_values_pair's launches; None where refused)
+
+        def spy(*a, real=real, **kw):
+            got = real(*a, **kw)
+            fused.extend([1] * (got is not None))
+            return got
+        monkeypatch.setattr(triton_quantize, "try_block_values_pair", spy)
         wp = w.clone().requires_grad_()
         fp4_linear(x.clone().requires_grad_(), wp, None, preset(name), name="l",
                    context=QuantContext(tick=1)).backward(dy)
