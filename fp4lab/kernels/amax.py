@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from .elements import group_of, widen
-from .host import cdiv, sm_count
+from .host import cdiv, sm_count, zeroed_int32
 from .launch import cached
 
 GROUPED_TILE = (32, 128)  # (rows, columns) per program of the grouped pass
@@ -41,7 +41,7 @@ def _finite_amax_kernel(x_ptr, out_ptr, n, chunk, BF16_BITS: tl.constexpr, BLOCK
 def finite_amax(x: torch.Tensor) -> torch.Tensor:
     """x: [...] float -> [] float32 max |x| over finite elements (0 when there are none)."""
     flat = x.reshape(-1) if x.is_contiguous() else x.contiguous().reshape(-1)
-    out = torch.zeros(1, dtype=torch.int32, device=x.device)
+    out = zeroed_int32(1, x.device)
     if flat.numel():
         block = 2048
         programs = 4 * sm_count(x.device)
@@ -77,7 +77,7 @@ def grouped_finite_amax(x: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
     """x: [R, L] float, starts: [G] int64 first row of each group (ascending, on x's device) ->
     [G] float32: max |x| over each group's finite elements (0 for none, or an empty group)."""
     x = x.contiguous()
-    out = torch.zeros(starts.numel(), dtype=torch.int32, device=x.device)
+    out = zeroed_int32(starts.numel(), x.device)
     if x.numel():
         br, bc = GROUPED_TILE
         bf16 = x.dtype == torch.bfloat16

@@ -4,8 +4,11 @@ size nine launches, every step, and an eager step is bound by the host's time.
 ``cdiv`` is plain integer arithmetic: Triton's own ``triton.cdiv`` is a constexpr function (so
 kernels can call it too), and on the host each call goes through Triton's argument unwrapping,
 several microseconds, 20 to 30 calls an FP4 linear's step. ``sm_count`` asks the device once.
+``zeroed_int32`` gives the zeroed buffers that amax passes take atomic maxima in, without a
+fill launch each (torch.zeros' fill was tens of microseconds of host time, three an FP4 linear's
+step).
 
-Public: ``cdiv``, ``sm_count``.
+Public: ``cdiv``, ``sm_count``, ``zeroed_int32``.
 """
 
 from __future__ import annotations
@@ -30,3 +33,29 @@ def sm_count(device: torch.device) -> int:
 @functools.lru_cache(maxsize=None)
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+_POOL_SLOTS = 4096  # int32 slots of one pool (16 KiB)
+_MAX_POOLS = 64
+_pools: dict[tuple[int, int], list] = {}  # (device index, raw stream) -> [pool, next free slot]
+
+
+def zeroed_int32(n: int, device: torch.device) -> torch.Tensor:
+    """What ``torch.zeros(n, dtype=torch.int32, device=device)`` gives, for a kernel to take atomic
+    maxima in. On CUDA: n slots of a pool zeroed in one fill, each slot handed out once and never
+    again (a slice: a few microseconds of host time, where torch.zeros launches a fill); a pool
+    used up is replaced, and freed once nothing holds a slice of it. A pool serves one stream, as
+    torch.zeros' memory would. While a CUDA graph is being captured, torch.zeros itself: the graph
+    must zero the buffer at every replay. Slices start 16-byte aligned."""
+    if device.type != "cuda" or n > _POOL_SLOTS or torch.cuda.is_current_stream_capturing():
+        return torch.zeros(n, dtype=torch.int32, device=device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, torch._C._cuda_getCurrentRawStream(index))
+    pool = _pools.get(key)
+    if pool is None or pool[1] + n > _POOL_SLOTS:
+        if pool is None and len(_pools) >= _MAX_POOLS:
+            _pools.clear()
+        pool = _pools[key] = [torch.zeros(_POOL_SLOTS, dtype=torch.int32, device=device), 0]
+    start = pool[1]
+    pool[1] = start + cdiv(n, 4) * 4  # (the next slice 16-byte aligned)
+    return pool[0][start:start + n]

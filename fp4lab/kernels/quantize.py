@@ -44,7 +44,7 @@ from ..formats.mxfp4 import MX_BLOCK
 from ..formats.nvfp4 import _check_amax, _nvfp4_block, nvfp4_tensor_terms
 from ..formats.types import Format, FP4Tensor, MXScaleMode, NVFP4Profile, Rounding
 from .amax import finite_amax, grouped_finite_amax
-from .host import cdiv
+from .host import cdiv, zeroed_int32
 from .launch import cached
 from .operand import BlockValues, device_counts
 from .elements import (e2m1_rtne, e2m1_rtne_value, e2m1_stochastic, e2m1_stochastic_value, e2m1_value, e4m3_rtne,
@@ -636,7 +636,7 @@ def _nvfp4(x: torch.Tensor, out_values: bool, *, axis: int = -1, block: int | tu
         return BlockValues.of(q) if out_values else q
     rotation, h_seed = fused
     if global_amax is None and rotation != NO_ROTATION.value:
-        amax = torch.zeros((), dtype=torch.int32, device=x.device)
+        amax = zeroed_int32(1, x.device).reshape(())
         _launch(x, axis, block2, pad, NV_TE.value, amax, None, False, 0, rotation, h_seed, amax_only=True)
     elif global_amax is None:
         amax = finite_amax(x).view(torch.int32)
@@ -821,7 +821,7 @@ def try_block_values_pair(x: torch.Tensor, fmt: Format, *, rows: dict, columns: 
     rows_v = torch.empty(m, k, dtype=torch.int16, device=device)
     cols_v = torch.empty(k, columns_len, dtype=torch.int16, device=device)
     # NVFP4: both tensor amaxes (zeroed: the first pass takes atomic maxima) and both S_dec
-    amax = torch.zeros(2, dtype=torch.int32, device=device) if plan.nvfp4 else rows_v
+    amax = zeroed_int32(2, device) if plan.nvfp4 else rows_v
     s_dec = torch.empty(2, dtype=torch.float32, device=device) if plan.nvfp4 else rows_v  # written by the kernel
     in_memory = [isinstance(v, torch.Tensor) for v in seeds]
     ints = [0 if mem else v for v, mem in zip(seeds, in_memory)]
@@ -976,7 +976,7 @@ def grouped_column_block_values(x: torch.Tensor, fmt: Format, widths: list[int] 
     rotation = NO_ROTATION.value if signs is None else HADAMARD_RULES[signs]
     stochastic = rounding is Rounding.STOCHASTIC
     if fmt is Format.NVFP4:
-        amax = torch.zeros(g, dtype=torch.int32, device=x.device)
+        amax = zeroed_int32(g, x.device)
         _launch(x, 0, (1, 16), False, NV_TE.value, amax, None, False, 0, rotation, 0, amax_only=True, grouped=grouped,
                 group_mode=COL_GROUPS.value, src_groups=src)
         s_dec = torch.empty(g, dtype=torch.float32, device=x.device)  # written by the kernel
