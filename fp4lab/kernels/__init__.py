@@ -35,13 +35,13 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import os
 import warnings
 
 import torch
 
 from .. import formats
 from ..formats.types import Choice, Format, FP4Tensor
+from .host import env
 from .operand import BlockValues, GroupedValues
 from .operand import alpha as operand_alpha
 
@@ -68,8 +68,8 @@ def uses_triton(x: torch.Tensor | torch.device, backend: str | Backend | None = 
     """Whether calls on ``x`` (a tensor, or tensors on a device) run Triton kernels under
     ``backend`` (None: FP4LAB_BACKEND, else auto)."""
     device = x if isinstance(x, torch.device) else x.device
-    runs, warning = _backend_rule(backend or os.environ.get("FP4LAB_BACKEND", "auto"), device.type,
-                                  os.environ.get("TRITON_INTERPRET") == "1")
+    runs, warning = _backend_rule(backend or env("FP4LAB_BACKEND", "auto"), device.type,
+                                  env("TRITON_INTERPRET") == "1")
     if warning:
         _warn_once(warning)
     return runs

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 from collections.abc import Sequence
 
 import torch
@@ -44,7 +43,7 @@ import triton
 import triton.language as tl
 
 from .elements import to_bf16_rtne, widen
-from .host import cdiv, sm_count
+from .host import cdiv, env, sm_count
 from .launch import cached
 from .operand import device_counts
 
@@ -299,7 +298,7 @@ def _check(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, *alphas: to
 
 def _tile_shape() -> tuple[int, int, int]:
     """(BM, BN, BK): small tiles under the interpreter, the H100 sweep's otherwise."""
-    return (32, 32, 32) if os.environ.get("TRITON_INTERPRET") == "1" else (_BM, _BN, _BK)
+    return (32, 32, 32) if env("TRITON_INTERPRET") == "1" else (_BM, _BN, _BK)
 
 
 def _output(rows: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, bool]:
@@ -315,7 +314,7 @@ def _config(m: int, n: int, grouped: bool, device: torch.device, persistent: boo
     """(BM, BN, BK, warps, stages) of a launch: grouped launches keep _tile_shape's (their tile
     lists are made for it), and so does the interpreter; a dense one takes its output size's
     (the table above), the persistent kernel's at a large output."""
-    if grouped or os.environ.get("TRITON_INTERPRET") == "1":
+    if grouped or env("TRITON_INTERPRET") == "1":
         return (*_tile_shape(), _WARPS, _STAGES)
     sms = sm_count(device)
     if cdiv(m, _BM) * cdiv(n, _BN) >= sms:
@@ -326,7 +325,7 @@ def _config(m: int, n: int, grouped: bool, device: torch.device, persistent: boo
 def _launch(a, b, out, alpha, beta, mode, grid, tiles, m, n, k, s_bg, s_alpha, grouped):
     """One GEMM launch: the persistent TMA kernel, the TMA kernel or the pointer kernel (module
     doc), the epilogue scaling by alpha and beta as ``mode`` says (_store_scaled's ALPHA)."""
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    interpreted = env("TRITON_INTERPRET") == "1"
     persistent = PERSISTENT and not grouped and not interpreted and USE_TMA
     bm, bn, bk, warps, stages = _config(m, n, grouped, a.device, persistent)
     if tiles is None:
@@ -479,7 +478,7 @@ def contraction_grouped_mm(a: torch.Tensor, b: torch.Tensor, widths: Sequence[in
     out = torch.empty(len(widths), m, n, dtype=out_dtype, device=a.device)
     if out.numel() == 0:
         return out
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    interpreted = env("TRITON_INTERPRET") == "1"
     bm, bn, bk = _tile_shape() if interpreted else (_WGRAD_BM, _WGRAD_BN, _BK)
     if listed:
         if any(w % width_multiple for w in widths):

@@ -51,7 +51,6 @@ Public: ``QuantContext``, ``Call``, ``make_call``, ``call_at``, ``layer_key``, `
 from __future__ import annotations
 
 import dataclasses
-import os
 import zlib
 from dataclasses import dataclass, field
 
@@ -61,6 +60,7 @@ import torch.nn.functional as F
 from .. import kernels
 from ..formats import Rounding
 from ..kernels import BlockValues, GroupedValues
+from ..kernels.host import env
 from .quant import (Rotation, derive_seed, derive_seeds, dither, fuses_rotation, gemm_dtype, operand_knobs, quantize_operand,
                     rotation_for, run_gemm)
 from .recipe import BF16_GEMM, GEMMS, HadamardMode, Recipe, recipe_rule
@@ -157,7 +157,7 @@ class Call:
         does not apply (statistics, dither, 16x16 blocks, a rotated rows copy, a rotation the
         quantizer does not fuse, two formats) and the caller quantizes each on its own; also None
         under FP4LAB_PAIR=0, one copy at a time by choice (the same bytes: a fallback, not a recipe)."""
-        if (self.stats is not None or os.environ.get("FP4LAB_PAIR", "1").lower() in ("0", "false", "off", "no")
+        if (self.stats is not None or env("FP4LAB_PAIR", "1").lower() in ("0", "false", "off", "no")
                 or not pair_applies(self.recipe, t, rows, columns)):
             return None
         (gr, sr), (gc, sc) = rows, columns

@@ -32,7 +32,9 @@ Public: ``Rotation``, ``derive_seed``, ``derive_seeds``, ``rotation_for``, ``qua
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+import types
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -112,13 +114,20 @@ def dither(t: torch.Tensor, op: Operand, seed: int | torch.Tensor) -> torch.Tens
     return (t.to(torch.float32) + op.dither * unit * (u - 0.5)).to(t.dtype)
 
 
-def operand_knobs(op: Operand, rotation: Rotation | None = None) -> dict:
-    """The quantizer keywords of op's format (FormatSpec.knobs), from the operand's fields."""
+def operand_knobs(op: Operand, rotation: Rotation | None = None) -> Mapping[str, object]:
+    """The quantizer keywords of op's format (FormatSpec.knobs), from the operand's fields (a
+    read-only mapping: callers unpack it)."""
+    knobs = _fixed_knobs(op)
+    if rotation is None or "hadamard" not in op.format.spec.knobs:
+        return knobs
+    return {**knobs, "hadamard": rotation.signs, "hadamard_seed": rotation.seed}
+
+
+@functools.lru_cache(maxsize=256)  # (an operand's own keywords: asked five times an FP4 linear's step)
+def _fixed_knobs(op: Operand) -> Mapping[str, object]:
     offered = {"block": (16, 16) if op.block2d else (1, op.format.spec.block_len), "profile": op.profile,
                "mode": op.mx_mode}
-    if rotation is not None:
-        offered |= {"hadamard": rotation.signs, "hadamard_seed": rotation.seed}
-    return op.format.spec.select(offered)
+    return types.MappingProxyType(op.format.spec.select(offered))
 
 
 def _quantize(t: torch.Tensor, axis: int, op: Operand, *, seed: int | torch.Tensor, rotation: Rotation | None,

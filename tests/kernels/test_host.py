@@ -51,3 +51,15 @@ def test_zeroed_int32_on_another_stream_or_under_capture_is_its_own():
         graph.replay()
     torch.cuda.synchronize()
     assert out.tolist() == [3, 3]
+
+
+def test_env_reads_what_os_environ_holds_now(monkeypatch):
+    monkeypatch.delenv("FP4LAB_TEST_SWITCH", raising=False)
+    assert host.env("FP4LAB_TEST_SWITCH") is None and host.env("FP4LAB_TEST_SWITCH", "auto") == "auto"
+    monkeypatch.setenv("FP4LAB_TEST_SWITCH", "triton")
+    assert host.env("FP4LAB_TEST_SWITCH", "auto") == "triton"
+    import os
+    os.environ["FP4LAB_TEST_SWITCH"] = "reference"  # (a change made directly, as a user script would)
+    assert host.env("FP4LAB_TEST_SWITCH") == "reference"
+    monkeypatch.setattr(os, "environ", {"FP4LAB_TEST_SWITCH": "replaced"})  # os.environ swapped for a mapping
+    assert host.env("FP4LAB_TEST_SWITCH") == "replaced"
