@@ -9,7 +9,7 @@ exactly the reference's.
 each program reduces its tile's rows and folds them into their group's slot: one atomic where the
 tile lies in one group, one per row where it straddles groups.
 
-Public: ``finite_amax``, ``grouped_finite_amax``.
+Public: ``finite_amax`` (and ``finite_amax_bits``, its int32 bits), ``grouped_finite_amax``.
 """
 
 from __future__ import annotations
@@ -40,6 +40,11 @@ def _finite_amax_kernel(x_ptr, out_ptr, n, chunk, BF16_BITS: tl.constexpr, BLOCK
 
 def finite_amax(x: torch.Tensor) -> torch.Tensor:
     """x: [...] float -> [] float32 max |x| over finite elements (0 when there are none)."""
+    return finite_amax_bits(x).view(torch.float32).reshape(())
+
+
+def finite_amax_bits(x: torch.Tensor) -> torch.Tensor:
+    """finite_amax as the quantize kernels read it: [1] int32, the float's bits (no views made)."""
     flat = x.reshape(-1) if x.is_contiguous() else x.contiguous().reshape(-1)
     out = zeroed_int32(1, x.device)
     if flat.numel():
@@ -49,7 +54,7 @@ def finite_amax(x: torch.Tensor) -> torch.Tensor:
         bf16 = flat.dtype == torch.bfloat16
         _finite_amax_kernel[(cdiv(flat.numel(), chunk),)](flat.view(torch.int16) if bf16 else flat, out,
                                                                  flat.numel(), chunk, BF16_BITS=bf16, BLOCK=block)
-    return out.view(torch.float32).reshape(())
+    return out
 
 
 @cached  # (launched through kernels.launch)

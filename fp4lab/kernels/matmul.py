@@ -5,7 +5,9 @@ alpha = S_dec_A * S_dec_B once to the FP32 accumulator. cuBLAS can do the produc
 device-resident alpha, which costs two extra passes over an FP32 output (write, scale, cast);
 this kernel does all of it in one: C = round_bf16(alpha * (A @ B^T)) with FP32 accumulation.
 
-    scaled_mm(a, b, alpha)                    a: [M, K], b: [N, K] (any strides) -> [M, N]
+    scaled_mm(a, b, alpha)                    a: [M, K], b: [N, K] (any strides) -> [M, N]; alpha
+                                              one tensor, or the pair (S_dec_A, S_dec_B) multiplied
+                                              in the epilogue (no launch for the product), or None
     grouped_scaled_mm(a, b, sizes, alpha)     a: [S, K] rows of G groups, back to back (sizes[g]
                                               rows each), b: [G, N, K] -> [S, N]; group g's rows
                                               times b[g]^T, scaled by alpha[g] (one launch)

@@ -43,7 +43,7 @@ from ..formats.hadamard import TE_SIGNS, HadamardSigns
 from ..formats.mxfp4 import MX_BLOCK
 from ..formats.nvfp4 import _check_amax, _nvfp4_block, nvfp4_tensor_terms
 from ..formats.types import Format, FP4Tensor, MXScaleMode, NVFP4Profile, Rounding
-from .amax import finite_amax, grouped_finite_amax
+from .amax import finite_amax_bits, grouped_finite_amax
 from .host import cdiv, zeroed_int32
 from .launch import cached
 from .operand import BlockValues, device_counts
@@ -639,14 +639,14 @@ def _nvfp4(x: torch.Tensor, out_values: bool, *, axis: int = -1, block: int | tu
         amax = zeroed_int32(1, x.device).reshape(())
         _launch(x, axis, block2, pad, NV_TE.value, amax, None, False, 0, rotation, h_seed, amax_only=True)
     elif global_amax is None:
-        amax = finite_amax(x).view(torch.int32)
+        amax = finite_amax_bits(x)
     elif isinstance(global_amax, torch.Tensor) and global_amax.is_cuda:
         amax = global_amax.reshape(()).to(torch.float32).view(torch.int32)
     else:
         amax = _check_amax(global_amax, x.device).view(torch.int32)
     s_dec = torch.empty((), dtype=torch.float32, device=x.device)  # written by the kernel (no fill launch)
     if x.numel() == 0:
-        s_dec = nvfp4_tensor_terms(amax.view(torch.float32), profile)[0]
+        s_dec = nvfp4_tensor_terms(amax.view(torch.float32).reshape(()), profile)[0]
     codes, scales, axis = _launch(x, axis, block2, pad, NV_RULES[profile], amax, s_dec, rounding is Rounding.STOCHASTIC,
                                   _seed(rounding, seed), rotation, h_seed, out_values=out_values)
     if out_values:

@@ -576,6 +576,10 @@ class _FP4GemmsFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int],
                 calls: list[Call], grouped: bool, training: bool):
+        # a dense layer's x [..., K] and weight [N, K] are flattened to [S, K] and [1, N, K] here, where
+        # no autograd node records it (three view nodes a layer otherwise: each an engine step in backward)
+        ctx.shapes = (x.shape, weight.shape)
+        x, weight = x.reshape(-1, x.shape[-1]), (weight if weight.dim() == 3 else weight[None])
         # (grad mode is off inside forward, and needs_input_grad ignores it: the caller says)
         y, ctx.saved = gemms_forward(x, weight, bias, sizes, calls, grouped, keep=ctx.needs_input_grad[0],
                                      keep_x=training and ctx.needs_input_grad[1])
@@ -584,9 +588,9 @@ class _FP4GemmsFn(torch.autograd.Function):
         xw = ctx.saved.pop("x_wgrad", None)
         ctx.save_for_backward(x if xw is None else None, weight, *(() if xw is None else (xw.values, xw.tensor_scale)))
         ctx.x_wgrad = None if xw is None else (xw.rows, xw.format)
-        ctx.x_like = torch.empty(x.shape, dtype=x.dtype, device="meta")
+        ctx.x_like = None if xw is None else torch.empty(x.shape, dtype=x.dtype, device="meta")  # (x's shape)
         ctx.sizes, ctx.calls, ctx.grouped, ctx.has_bias = sizes, calls, grouped, bias is not None
-        return y
+        return y.reshape(*ctx.shapes[0][:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
@@ -594,8 +598,12 @@ class _FP4GemmsFn(torch.autograd.Function):
         saved = ctx.saved  # (a local dict: nothing of this backward stays on ctx)
         if ctx.x_wgrad is not None:
             x, saved = ctx.x_like, {**saved, "x_wgrad": BlockValues(xw[0], xw[1], *ctx.x_wgrad)}
+        dy = dy.reshape(-1, dy.shape[-1])
         dx, dw = gemms_backward(dy, x, weight, ctx.sizes, ctx.calls, ctx.grouped, need_dx=ctx.needs_input_grad[0],
                                 need_dw=ctx.needs_input_grad[1], saved=saved)
+        x_shape, w_shape = ctx.shapes
+        dx = None if dx is None else dx.reshape(x_shape)
+        dw = None if dw is None else dw.reshape(w_shape)
         db = dy.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return dx, dw, db, None, None, None, None
 
@@ -604,6 +612,8 @@ def fp4_gemms(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
               calls: list[Call], *, grouped: bool) -> torch.Tensor:
     """x: [S, K], weight: [G, N, K] (G = 1 unless ``grouped``), bias: [N] | None, all in the
     compute dtype -> y: [S, N]: group g's ``sizes[g]`` rows times weight[g]^T, the three GEMMs
-    under ``calls[g]`` (see the module doc). The recipe in force is calls[0]'s for every group."""
+    under ``calls[g]`` (see the module doc). The recipe in force is calls[0]'s for every group.
+    A dense call may also give x as [..., K] and weight as [N, K] (y is then [..., N]): flattened
+    inside the autograd function, so no view of them enters the autograd graph."""
     sizes = sizes if isinstance(sizes, torch.Tensor) else list(sizes)
     return _FP4GemmsFn.apply(x, weight, bias, sizes, list(calls), grouped, torch.is_grad_enabled())

@@ -380,7 +380,7 @@ def test_wgrads_copy_of_x_lives_as_long_as_x_would():
     x = torch.randn(40, 64, requires_grad=True)
     w = (torch.randn(48, 64) * 0.05).requires_grad_()
     y = fp4_linear(x, w, None, nvfp4(), name="l", context=QuantContext(tick=1))
-    node = y.grad_fn.next_functions[0][0]  # under the output's reshape: the three GEMMs' node
+    node = y.grad_fn  # the three GEMMs' node (x and the weight flattened inside it: no view nodes)
     saved = node.saved_tensors
     assert saved[0] is None and len(saved) == 4  # no x; weight, wgrad's values and tensor scale
     assert saved[2].shape == (64, 64)  # [K, tokens padded to 64]
@@ -389,3 +389,24 @@ def test_wgrads_copy_of_x_lives_as_long_as_x_would():
     y.sum().backward()
     gc.collect()
     assert kept() is None and "x_wgrad" not in node.saved
+
+
+def test_a_dense_layer_is_one_autograd_node_with_the_bits_of_a_flat_call():
+    """x [..., K] and the weight are flattened inside the autograd function (no view nodes, each an
+    engine step in backward): the graph is the one node over the leaves, and outputs and
+    gradients are those of the same call on x flattened by hand."""
+    torch.manual_seed(7)
+    x = torch.randn(2, 24, 64)
+    w, b = torch.randn(48, 64) * 0.05, torch.randn(48)
+    dy = torch.randn(2, 24, 48)
+    outs = []
+    for shaped in (True, False):
+        xi = (x if shaped else x.reshape(-1, 64)).clone().requires_grad_()
+        wi, bi = w.clone().requires_grad_(), b.clone().requires_grad_()
+        y = fp4_linear(xi, wi, bi, nvfp4(), name="l", context=QuantContext(tick=3))
+        if shaped:
+            assert {type(f).__name__ for f, _ in y.grad_fn.next_functions} == {"AccumulateGrad"}
+        y.backward(dy.reshape(y.shape))
+        outs.append((y.reshape(-1, 48), xi.grad.reshape(-1, 64), wi.grad, bi.grad))
+    for a, c in zip(*outs):
+        assert torch.equal(a, c)
