@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 
 import torch
 
@@ -39,7 +40,7 @@ def _sm_count(index: int) -> int:
 
 _POOL_SLOTS = 4096  # int32 slots of one pool (16 KiB)
 _MAX_POOLS = 64
-_pools: dict[tuple[int, int], list] = {}  # (device index, raw stream) -> [pool, next free slot]
+_pools: dict[tuple[int, int, int], list] = {}  # (device index, raw stream, thread) -> [pool, next free slot]
 
 
 def zeroed_int32(n: int, device: torch.device) -> torch.Tensor:
@@ -47,12 +48,13 @@ def zeroed_int32(n: int, device: torch.device) -> torch.Tensor:
     maxima in. On CUDA: n slots of a pool zeroed in one fill, each slot handed out once and never
     again (a slice: a few microseconds of host time, where torch.zeros launches a fill); a pool
     used up is replaced, and freed once nothing holds a slice of it. A pool serves one stream, as
-    torch.zeros' memory would. While a CUDA graph is being captured, torch.zeros itself: the graph
-    must zero the buffer at every replay. Slices start 16-byte aligned."""
+    torch.zeros' memory would, and one thread (two threads on one stream never share a slot).
+    While a CUDA graph is being captured, torch.zeros itself: the graph must zero the buffer at
+    every replay. Slices start 16-byte aligned."""
     if device.type != "cuda" or n > _POOL_SLOTS or torch.cuda.is_current_stream_capturing():
         return torch.zeros(n, dtype=torch.int32, device=device)
     index = device.index if device.index is not None else torch.cuda.current_device()
-    key = (index, torch._C._cuda_getCurrentRawStream(index))
+    key = (index, torch._C._cuda_getCurrentRawStream(index), threading.get_ident())
     pool = _pools.get(key)
     if pool is None or pool[1] + n > _POOL_SLOTS:
         if pool is None and len(_pools) >= _MAX_POOLS:
