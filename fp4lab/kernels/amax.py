@@ -40,13 +40,18 @@ def _finite_amax_kernel(x_ptr, out_ptr, n, chunk, BF16_BITS: tl.constexpr, BLOCK
 
 def finite_amax(x: torch.Tensor) -> torch.Tensor:
     """x: [...] float -> [] float32 max |x| over finite elements (0 when there are none)."""
-    return finite_amax_bits(x).view(torch.float32).reshape(())
+    return _finite_amax(x, torch.zeros(1, dtype=torch.int32, device=x.device)).view(torch.float32).reshape(())
 
 
 def finite_amax_bits(x: torch.Tensor) -> torch.Tensor:
-    """finite_amax as the quantize kernels read it: [1] int32, the float's bits (no views made)."""
+    """finite_amax as fp4lab's quantize kernels read it: [1] int32, the float's bits, in a slot of
+    host.zeroed_int32's pool (no fill launch, no views made)."""
+    return _finite_amax(x, zeroed_int32(1, x.device))
+
+
+def _finite_amax(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """x's finite amax as int32 bits, taken by atomic maxima into ``out`` ([1] int32 zeros)."""
     flat = x.reshape(-1) if x.is_contiguous() else x.contiguous().reshape(-1)
-    out = zeroed_int32(1, x.device)
     if flat.numel():
         block = 2048
         programs = 4 * sm_count(x.device)
@@ -82,7 +87,7 @@ def grouped_finite_amax(x: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
     """x: [R, L] float, starts: [G] int64 first row of each group (ascending, on x's device) ->
     [G] float32: max |x| over each group's finite elements (0 for none, or an empty group)."""
     x = x.contiguous()
-    out = zeroed_int32(starts.numel(), x.device)
+    out = torch.zeros(starts.numel(), dtype=torch.int32, device=x.device)
     if x.numel():
         br, bc = GROUPED_TILE
         bf16 = x.dtype == torch.bfloat16

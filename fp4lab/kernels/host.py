@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 import threading
 
 import torch
@@ -50,7 +51,12 @@ def zeroed_int32(n: int, device: torch.device) -> torch.Tensor:
     used up is replaced, and freed once nothing holds a slice of it. A pool serves one stream, as
     torch.zeros' memory would, and one thread (two threads on one stream never share a slot).
     While a CUDA graph is being captured, torch.zeros itself: the graph must zero the buffer at
-    every replay. Slices start 16-byte aligned."""
+    every replay. Slices start 16-byte aligned. For fp4lab's kernels only (a slice keeps its pool
+    alive, and a pool made under inference mode hands out inference tensors): the public amax
+    functions return buffers of their own. Not for code whose allocations a CUDA-graph manager
+    routes to its private pool outside capture (torch.compile's "reduce-overhead" warm-up): a
+    pool made there is that pool's memory, which the manager may reclaim; fp4lab's custom ops
+    take CPU tensors, so Inductor does not graph them."""
     if device.type != "cuda" or n > _POOL_SLOTS or torch.cuda.is_current_stream_capturing():
         return torch.zeros(n, dtype=torch.int32, device=device)
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -67,6 +73,7 @@ def zeroed_int32(n: int, device: torch.device) -> torch.Tensor:
 
 _ENVIRON = os.environ
 _ENVIRON_BYTES = getattr(os.environ, "_data", None) if os.name == "posix" else None
+_ENCODING = sys.getfilesystemencoding()  # (os.environ's own encoding of keys and values)
 
 
 def env(name: str, default: str | None = None) -> str | None:
@@ -77,5 +84,5 @@ def env(name: str, default: str | None = None) -> str | None:
     table = _ENVIRON_BYTES
     if table is None or os.environ is not _ENVIRON:  # (another platform, or os.environ replaced)
         return os.environ.get(name, default)
-    value = table.get(name.encode())
-    return default if value is None else value.decode()
+    value = table.get(name.encode(_ENCODING, "surrogateescape"))
+    return default if value is None else value.decode(_ENCODING, "surrogateescape")

@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import torch
 
-from .host import env
-
 _UNKNOWN = object()
 _MAX_SIGNATURES = 512  # per kernel; past it the remembered signatures are dropped and relearnt
 _triton = None  # (triton.runtime.driver, triton.knobs), imported at the first launch
@@ -129,7 +127,8 @@ class _Cached:
         key = hit = None
         if signature is not None:
             try:
-                key = (device, *_settings(knobs), signature, tuple(kwargs.items()))
+                key = (device, knobs.runtime.debug, knobs.compilation.instrumentation_mode, signature,
+                       tuple(kwargs.items()))
                 hit = self._compiled.get(key)
             except TypeError:  # an unhashable keyword value
                 key = None
@@ -169,18 +168,6 @@ class _Cached:
             else:
                 return None
         return tuple(tail)
-
-
-_NOT_SET = object()
-
-
-def _settings(knobs) -> tuple:
-    """What decides Triton's debug and instrumentation settings: each knob's value where set in
-    code, and its environment variable. (Reading the knobs themselves re-reads and parses the
-    environment at every access in Triton 3.6, two reads a launch; Triton 3.9 reads both once,
-    at import. The variables' raw values determine the knobs either way, so the key refines them.)"""
-    return (knobs.runtime.__dict__.get("debug", _NOT_SET), knobs.compilation.__dict__.get("instrumentation_mode",
-            _NOT_SET), env("TRITON_DEBUG"), env("TRITON_INSTRUMENTATION_MODE"))
 
 
 def _import_triton():

@@ -795,8 +795,10 @@ def _pair_plan(x: torch.Tensor, fmt: Format, rows: dict, columns: dict, columns_
     except TypeError:  # an unhashable keyword value: worked out afresh
         key = plan = None
     if plan is None:
-        plan = _refusal(tuple(x.shape), x.dtype, fmt, rows, columns, columns_len) or _PairPlan(
-            tuple(x.shape), fmt, rows, columns, columns_len)
+        refusal = _refusal(tuple(x.shape), x.dtype, fmt, rows, columns, columns_len)
+        if refusal:  # (not kept: a refused call's keywords may hold anything, tensors included)
+            return refusal
+        plan = _PairPlan(tuple(x.shape), fmt, rows, columns, columns_len)
         if key is not None:
             if len(_PAIR_PLANS) >= _MAX_PAIR_PLANS:
                 _PAIR_PLANS.clear()

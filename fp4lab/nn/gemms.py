@@ -590,7 +590,9 @@ class _FP4GemmsFn(torch.autograd.Function):
         ctx.x_wgrad = None if xw is None else (xw.rows, xw.format)
         ctx.x_like = None if xw is None else torch.empty(x.shape, dtype=x.dtype, device="meta")  # (x's shape)
         ctx.sizes, ctx.calls, ctx.grouped, ctx.has_bias = sizes, calls, grouped, bias is not None
-        return y.reshape(*ctx.shapes[0][:-1], y.shape[-1])
+        # (detached: a view made here would be an output autograd forbids modifying in place, and
+        # a residual add or an in-place activation after the layer does just that)
+        return y.reshape(*ctx.shapes[0][:-1], y.shape[-1]).detach()
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):

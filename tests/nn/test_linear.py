@@ -410,3 +410,24 @@ def test_a_dense_layer_is_one_autograd_node_with_the_bits_of_a_flat_call():
         outs.append((y.reshape(-1, 48), xi.grad.reshape(-1, 64), wi.grad, bi.grad))
     for a, c in zip(*outs):
         assert torch.equal(a, c)
+
+
+@pytest.mark.parametrize("shape", [(40, 64), (2, 20, 64)])
+def test_the_output_can_be_modified_in_place(shape):
+    """A residual add or an in-place activation on the layer's output (autograd refuses in-place
+    changes to an output that is a view made inside the function): gradients as out of place."""
+    torch.manual_seed(8)
+    x, w = torch.randn(*shape), torch.randn(48, 64) * 0.05
+    grads = []
+    for in_place in (True, False):
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = fp4_linear(xi, wi, None, nvfp4(), name="l", context=QuantContext(tick=1))
+        y = torch.relu_(y.add_(0.5)) if in_place else torch.relu(y + 0.5)
+        y.sum().backward()
+        grads.append((xi.grad, wi.grad))
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(inplace=True), torch.nn.Linear(64, 16))
+    from fp4lab.nn import quantize_model
+    quantize_model(model, nvfp4())
+    model(torch.randn(8, 64)).sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
