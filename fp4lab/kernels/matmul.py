@@ -367,6 +367,8 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, alpha: torch.Tensor | tuple[torc
     ``alpha`` may also be two [] fp32 tensors (S_dec_A, S_dec_B), multiplied in the epilogue as
     ``S_dec_A * S_dec_B`` would be (the same bits, without a launch for the product), or None: 1."""
     pair = alpha if isinstance(alpha, tuple) else (alpha,) if alpha is not None else ()
+    if isinstance(alpha, tuple) and len(alpha) != 2:
+        raise ValueError(f"scaled_mm takes alpha as one tensor, a pair (S_dec_A, S_dec_B) or None, got {len(alpha)}")
     _check(a, b, out_dtype, *pair)
     if any(v.numel() != 1 for v in pair):
         raise ValueError(f"scaled_mm takes one-element alphas, got shapes {[tuple(v.shape) for v in pair]}")

@@ -52,6 +52,8 @@ def test_two_scales_are_their_product_and_none_is_one(dtype):
     assert torch.equal(scaled_mm(a, b, None, out_dtype=dtype), scaled_mm(a, b, one, out_dtype=dtype))
     with pytest.raises(TypeError):
         scaled_mm(a, b, (one, one.double()))
+    with pytest.raises(ValueError, match="pair"):
+        scaled_mm(a, b, (one, one, one))
 
 
 def test_strided_operands_give_the_same_result():
