@@ -36,11 +36,6 @@ _triton = None  # (triton.runtime.driver, triton.knobs), imported at the first l
 _I32, _U64 = 1 << 31, 1 << 63
 
 
-def _int_class(value: int) -> tuple:
-    # Triton's int specializations: 1, divisible by 16, and i32 / i64 / u64 by range
-    return value == 1, value % 16 == 0, -_I32 <= value < _I32, value < _U64
-
-
 def _tensor_key(arg: torch.Tensor) -> tuple:
     return arg.dtype, arg.data_ptr() % 16 == 0
 
@@ -53,11 +48,14 @@ def _float_key(arg: float):
     return float
 
 
-_BY_TYPE = {int: _int_class, bool: _same, type(None): _same, float: _float_key, torch.Tensor: _tensor_key}
+# the kinds _signature does not key inline (ints and tensors are), by exact type
+_BY_TYPE = {bool: _same, type(None): _same, float: _float_key}
 
 
 def _arg_key(arg):
-    keyer = _BY_TYPE.get(type(arg))  # (the common types by exact type: a dict lookup, no isinstance chain)
+    """The key of an argument _signature does not key inline: a bool, None, a float, a tensor
+    subclass (a Parameter), a host TMA descriptor; _UNKNOWN for anything else."""
+    keyer = _BY_TYPE.get(type(arg))  # (by exact type: a dict lookup, no isinstance chain)
     if keyer is not None:
         return keyer(arg)
     if isinstance(arg, torch.Tensor):  # a subclass (a Parameter)
@@ -73,11 +71,12 @@ def _arg_key(arg):
 
 
 def _signature(args: tuple, constexpr: tuple[bool, ...]) -> tuple | None:
-    """The positional arguments' keys (_arg_key; a constexpr by value), flattened into one tuple,
-    or None where one is unknown. The two commonest kinds, tensors and ints, are keyed inline (a
-    tensor as its dtype and alignment, an int as _int_class's four answers packed into one small
-    int): a launch keys a dozen or two arguments, and a function call and a nested tuple each
-    were the larger part of a cached launch's host time."""
+    """The positional arguments' keys, two entries each (a kind, then its key), flattened into one
+    tuple, or None where one is unknown (_arg_key). A constexpr is keyed by its value. The two
+    commonest kinds are keyed inline: a tensor by its dtype and 16-byte alignment; an int by
+    Triton's specializations (1, divisible by 16, i32 / i64 / u64 by range) packed into one small
+    int. A launch keys a dozen or two arguments, and a function call and a nested tuple each were
+    the larger part of a cached launch's host time."""
     keys = []
     for arg, const in zip(args, constexpr):
         kind = type(arg)
@@ -146,10 +145,9 @@ class _Cached:
         # what CompiledKernel[grid](*args, stream=stream) runs, without making its closure each call
         grid = (*grid, 1, 1)
         args = (*args, *tail)
-        enter = knobs.runtime.launch_enter_hook
-        metadata = None if enter is None else compiled.launch_metadata(grid[:3], stream, *args)
-        compiled.run(grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata, metadata, enter,
-                     knobs.runtime.launch_exit_hook, *args)
+        metadata = compiled.launch_metadata(grid[:3], stream, *args)
+        compiled.run(grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata, metadata,
+                     knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *args)
         return compiled
 
     def _tail(self, given: int, kwargs: dict) -> tuple | None:

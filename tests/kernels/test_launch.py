@@ -123,16 +123,17 @@ VALUES = [0, 1, 2, 15, 16, 17, 32, -16, -1, 2**31 - 16, 2**31 - 1, 2**31, -(2**3
 
 def test_no_two_arguments_the_signature_calls_alike_does_triton_compile_differently():
     """The signature refines Triton's own specializer: any two run-time arguments with the same key
-    get the same specialization from triton.runtime.jit's native_specialize_impl (the installed
-    Triton's; 3.6 on the GPU follows the same rules: kernels/launch.py)."""
+    (what launch._signature makes of each, as the cached launch keys it) get the same
+    specialization from triton.runtime.jit's native_specialize_impl (the installed Triton's; 3.6
+    on the GPU follows the same rules: kernels/launch.py)."""
     from triton.backends.compiler import BaseBackend
     from triton.runtime.jit import native_specialize_impl
     base = torch.zeros(64)
     tensors = [base, base[1:], base[4:], torch.zeros(64, dtype=torch.bfloat16), torch.zeros(64, dtype=torch.int16)[1:]]
-    args = VALUES + tensors
+    args = VALUES + tensors + [torch.nn.Parameter(base)]  # (a subclass: keyed by _arg_key)
     by_key = {}
     for arg in args:
-        key = launch._arg_key(arg)
+        key = launch._signature((arg,), (False,))
         spec = native_specialize_impl(BaseBackend, arg, False, True, True)
         by_key.setdefault(repr(key), set()).add(repr(spec))
     assert all(len(specs) == 1 for specs in by_key.values()), by_key
