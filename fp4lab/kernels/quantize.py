@@ -636,7 +636,7 @@ def _nvfp4(x: torch.Tensor, out_values: bool, *, axis: int = -1, block: int | tu
         return BlockValues.of(q) if out_values else q
     rotation, h_seed = fused
     if global_amax is None and rotation != NO_ROTATION.value:
-        amax = zeroed_int32(1, x.device).reshape(())
+        amax = zeroed_int32(1, x.device)  # (the kernels take its address; [1] as finite_amax_bits')
         _launch(x, axis, block2, pad, NV_TE.value, amax, None, False, 0, rotation, h_seed, amax_only=True)
     elif global_amax is None:
         amax = finite_amax_bits(x)
@@ -782,23 +782,24 @@ class _PairPlan:
                             BM=bm, BK=bk, num_warps=warps, enable_fp_fusion=False)
 
 
-_PAIR_PLANS: dict[tuple, _PairPlan | str] = {}
+_PAIR_PLANS: dict[tuple, _PairPlan] = {}  # (accepted calls only)
 _MAX_PAIR_PLANS = 256
 
 
 def _pair_plan(x: torch.Tensor, fmt: Format, rows: dict, columns: dict, columns_len: int) -> _PairPlan | str:
     """The call's _PairPlan, or why the pair kernel does not cover it (pair_refusal)."""
+    shape = tuple(x.shape)
     try:
-        key = (fmt, tuple(x.shape), x.dtype, columns_len, *((k, v) for k, v in rows.items() if k not in _PER_CALL),
+        key = (fmt, shape, x.dtype, columns_len, *((k, v) for k, v in rows.items() if k not in _PER_CALL),
                None, *((k, v) for k, v in columns.items() if k not in _PER_CALL))
         plan = _PAIR_PLANS.get(key)
     except TypeError:  # an unhashable keyword value: worked out afresh
         key = plan = None
     if plan is None:
-        refusal = _refusal(tuple(x.shape), x.dtype, fmt, rows, columns, columns_len)
+        refusal = _refusal(shape, x.dtype, fmt, rows, columns, columns_len)
         if refusal:  # (not kept: a refused call's keywords may hold anything, tensors included)
             return refusal
-        plan = _PairPlan(tuple(x.shape), fmt, rows, columns, columns_len)
+        plan = _PairPlan(shape, fmt, rows, columns, columns_len)
         if key is not None:
             if len(_PAIR_PLANS) >= _MAX_PAIR_PLANS:
                 _PAIR_PLANS.clear()
