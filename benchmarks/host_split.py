@@ -56,14 +56,14 @@ class LaunchClock:
         from fp4lab.kernels import launch
         original = launch._Cached._launch
 
-        def run(cached, grid, args, kwargs):
+        def run(cached, grid, args, kwargs, kwargs_key):
             name = cached.kernel.fn.__name__
             self.calls[name] += 1
             if self.skip:
                 return None
             start = time.perf_counter()
             try:
-                return original(cached, grid, args, kwargs)
+                return original(cached, grid, args, kwargs, kwargs_key)
             finally:
                 self.seconds[name] += time.perf_counter() - start
         launch._Cached._launch = run

@@ -21,6 +21,10 @@ settings are part of the signature too. What a cached launch does not repeat is 
 that the globals a kernel reads still hold their compile-time values: fp4lab's are constants
 set at import (the E4M3 form, the rule numbers).
 
+``cached_kernel.bind(**constexprs)`` fixes the keywords once, for a plan that makes the same
+launch every step (kernels.quantize, kernels.matmul): ``bound[grid](*args)`` launches as the
+keyword call would, sharing its cache, without keying the keywords again at each call.
+
 Public: ``cached``.
 """
 
@@ -110,9 +114,15 @@ class _Cached:
         return getattr(self.kernel, name)
 
     def __getitem__(self, grid):
-        return lambda *args, **kwargs: self._launch(grid, args, kwargs)
+        return lambda *args, **kwargs: self._launch(grid, args, kwargs, None)
 
-    def _launch(self, grid, args: tuple, kwargs: dict):
+    def bind(self, **kwargs) -> "_Bound":
+        """The kernel with its keywords (constexprs, launch options) fixed: ``bound[grid](*args)``
+        launches as ``cached_kernel[grid](*args, **kwargs)`` does, without keying the keywords
+        at each call (a plan that makes the same launch every step holds one)."""
+        return _Bound(self, kwargs)
+
+    def _launch(self, grid, args: tuple, kwargs: dict, kwargs_key):
         if self._interpreted or callable(grid):
             return self.kernel[grid](*args, **kwargs)
         driver, knobs = _triton or _import_triton()
@@ -127,7 +137,7 @@ class _Cached:
         if signature is not None:
             try:
                 key = (device, knobs.runtime.debug, knobs.compilation.instrumentation_mode, signature,
-                       tuple(kwargs.items()))
+                       tuple(kwargs.items()) if kwargs_key is None else kwargs_key)
                 hit = self._compiled.get(key)
             except TypeError:  # an unhashable keyword value
                 key = None
@@ -166,6 +176,21 @@ class _Cached:
             else:
                 return None
         return tuple(tail)
+
+
+class _Bound:
+    """A cached kernel with fixed keywords (_Cached.bind)."""
+
+    def __init__(self, cached: _Cached, kwargs: dict) -> None:
+        self.cached, self.kwargs = cached, kwargs
+        try:
+            self.key = tuple(kwargs.items())
+            hash(self.key)
+        except TypeError:  # an unhashable keyword value: keyed (and refused) at each call, as unbound
+            self.key = None
+
+    def __getitem__(self, grid):
+        return lambda *args: self.cached._launch(grid, args, self.kwargs, self.key)
 
 
 def _import_triton():

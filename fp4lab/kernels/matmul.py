@@ -36,6 +36,7 @@ Public: ``scaled_mm``, ``grouped_scaled_mm``, ``contraction_grouped_mm``.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Sequence
@@ -379,9 +380,89 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, alpha: torch.Tensor | tuple[torc
     if done:
         return out
     first = pair[0] if pair else out  # (an unused pointer where there is no scale)
-    _launch(a, b, out, first, pair[-1] if pair else out, len(pair), lambda bm, bn: (cdiv(m, bm) * cdiv(n, bn),), None,
-            m, n, k, 0, 0, False)
+    key = (a.shape, a.stride(), b.shape, b.stride(), out_dtype, len(pair), a.device, USE_TMA, PERSISTENT)
+    plan = _DENSE_PLANS.get(key)
+    if plan is None:
+        if len(_DENSE_PLANS) >= _MAX_DENSE_PLANS:
+            _DENSE_PLANS.clear()
+        plan = _DENSE_PLANS[key] = _DensePlan(a, b, out, len(pair))
+    plan.launch(a, b, out, first, pair[-1] if pair else out)
     return out
+
+
+class _DensePlan:
+    """What a dense scaled_mm launch takes from its operands' shapes, strides and dtypes (tensors
+    aside), as _launch chooses it: the kernel, tile and stages, worked out once per such call (an
+    FP4 linear makes the same three every step) and kept. Where the layout allows TMA, a call
+    whose operands are not 16-byte aligned takes the pointer kernel, as _launch's would."""
+
+    def __init__(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, mode: int) -> None:
+        (m, k), n = a.shape, b.shape[0]
+        self.mnk = m, n, k
+        interpreted = env("TRITON_INTERPRET") == "1"
+        bm, bn, bk, warps, stages = _config(m, n, False, a.device)
+        kw = dict(BF16_OUT=out.dtype == torch.bfloat16, GROUP_M=8, ALPHA=mode)
+        self.pointer = _scaled_mm_kernel.bind(GROUPED=False, EVEN_K=k % bk == 0, DOT_F32=interpreted, BM=bm, BN=bn,
+                                              BK=bk, num_warps=warps, num_stages=stages, **kw)
+        self.pointer_grid = (cdiv(m, bm) * cdiv(n, bn),)
+        # TMA: a row-major a, and b K-major ([N, K] rows) or N-major (read as b^T [K, N] rows)
+        self.tma = None
+        if interpreted or not USE_TMA or not a.is_cuda or a.stride(1) != 1 or (a.stride(0) * 2) % 16:
+            return
+        if b.stride(1) == 1:
+            self.b_kn, step = False, b.stride(0)
+        elif b.stride(0) == 1:
+            self.b_kn, step = True, b.stride(1)
+        else:
+            return
+        if (step * 2) % 16 or _tma_descriptor() is None:
+            return
+        if PERSISTENT:
+            bm, bn, bk, warps, stages = _config(m, n, False, a.device, persistent=True)
+            programs = min(sm_count(a.device), cdiv(m, bm) * cdiv(n, bn))
+            # the epilogue's staging tile stays allocated beside the pipeline's buffers (the next
+            # tile's loads are in flight): as many stages as fit beside it in an SM's shared memory
+            epilogue = bm * bn * out.element_size()
+            stages = max(1, min(stages, (_SHARED_BYTES - epilogue) // ((bm + bn) * bk * a.element_size())))
+            self.tma = _scaled_mm_persistent_kernel.bind(B_KN=self.b_kn, BM=bm, BN=bn, BK=bk, num_warps=warps,
+                                                          num_stages=stages, **kw)
+            self.tma_grid, self.programs = (programs,), (programs,)
+        else:
+            self.tma = _scaled_mm_tma_kernel.bind(GROUPED=False, B_KN=self.b_kn, BM=bm, BN=bn, BK=bk, num_warps=warps,
+                                                   num_stages=stages, **kw)
+            self.tma_grid, self.programs = (cdiv(m, bm) * cdiv(n, bn),), None
+        self.blocks = [bm, bk], ([bk, bn] if self.b_kn else [bn, bk])
+
+    def launch(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, alpha: torch.Tensor,
+               beta: torch.Tensor) -> None:
+        m, n, k = self.mnk
+        if self.tma is not None and a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0:
+            descriptor = _tma_descriptor()
+            a_desc = descriptor.from_tensor(a, self.blocks[0])
+            b_desc = descriptor.from_tensor(b.t() if self.b_kn else b, self.blocks[1])
+            if self.programs is not None:
+                self.tma[self.tma_grid](a_desc, b_desc, out, alpha, beta, m, n, k, out.stride(0), out.stride(1),
+                                        *self.programs)
+            else:
+                self.tma[self.tma_grid](a_desc, b_desc, out, alpha, beta, a, a, a, m, n, k, out.stride(0),
+                                        out.stride(1), 0, 0)
+            return
+        self.pointer[self.pointer_grid](a, b, out, alpha, beta, a, a, a, m, n, k, a.stride(0), a.stride(1), 0,
+                                        b.stride(-2), b.stride(-1), out.stride(0), out.stride(1), 0)
+
+
+_DENSE_PLANS: dict[tuple, _DensePlan] = {}
+_MAX_DENSE_PLANS = 512
+
+
+@functools.cache
+def _tma_descriptor():
+    """Triton's host TMA descriptor class, or None where this Triton has none."""
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:
+        return None
+    return TensorDescriptor
 
 
 def _host_tiles(sizes: list[int], bm: int, device: torch.device) -> tuple[torch.Tensor, ...]:

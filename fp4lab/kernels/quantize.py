@@ -33,6 +33,7 @@ from __future__ import annotations
 import itertools
 import math
 import struct
+from typing import NamedTuple
 
 import torch
 import triton
@@ -522,15 +523,51 @@ def _fp4_pair_kernel(x_ptr, rows_ptr, cols_ptr, amax_ptr, s_dec_ptr, seed_r, see
                        s_dec_ptr + 1, K, K, MP, pid_k, pid_m, RULE_C, BLOCK, 1, STOCHASTIC_C, True, NO_GROUPS, BK, BM)
 
 
-def _strided_2d(x: torch.Tensor, axis: int) -> tuple[torch.Tensor, int, int, int, int]:
-    """x -> (tensor to read, rows R, length L, row stride, column stride) with the block axis as
-    columns; axis 0 of a 2D tensor is read transposed in place, other layouts are made contiguous."""
-    if x.dim() == 2 and axis == 0:
-        return x, x.shape[1], x.shape[0], x.stride(1), x.stride(0)
-    xm = x.movedim(axis, -1).contiguous()
-    length = xm.shape[-1]
-    rows = xm.numel() // length if length else xm.shape[:-1].numel()
-    return xm, rows, length, length, 1
+class _LaunchPlan:
+    """What one quantize launch takes from its call's shape, strides, dtype and switches (tensors
+    and seeds aside): worked out once per such call (an FP4 linear makes the same calls every
+    step) and kept. The block axis is read as columns: axis 0 of a 2D tensor transposed in place,
+    other layouts made contiguous with the block axis last (``moves``) unless they are already."""
+
+    def __init__(self, x: torch.Tensor, axis: int, block: tuple[int, int], pad: bool, rule: int, stochastic: bool,
+                 hadamard: int, amax_only: bool, out_values: bool, group_mode: int, src_len: int | None,
+                 in_memory: tuple[bool, bool]) -> None:
+        axis, pads = check_input(x, axis, block, pad or src_len is not None)
+        self.axis = axis
+        shape = list(x.shape)
+        if x.dim() == 2 and axis == 0:
+            self.moves = False
+            rows, length, stride_r, stride_c = shape[1], shape[0], x.stride(1), x.stride(0)
+        else:
+            length = shape.pop(axis)
+            rows = math.prod(shape)
+            self.moves = axis != x.dim() - 1 or not x.is_contiguous()
+            stride_r, stride_c = length, 1
+        if src_len is not None:  # the kernel reads x's groups where the padded layout puts them
+            length, pads[0] = src_len, 0
+        lp, rows_out = length + pads[0], rows + pads[1]
+        lead = [rows_out] if block[0] != 1 else [n for i, n in enumerate(x.shape) if i != axis]
+        self.values_shape = (*lead, lp)
+        self.codes_shape, self.scales_shape = (*lead, lp // 2), (*lead, lp // block[1])
+        self.sizes = (rows, length, rows_out, lp, stride_r, stride_c)
+        self.grid = None  # (nothing to launch: an empty output)
+        self.bf16 = x.dtype == torch.bfloat16
+        if rows_out * lp:
+            # a transposed read (axis 0 of a contiguous matrix) loads [BC, BR] tiles along memory
+            transposed = stride_r == 1 and stride_c != 1
+            br, bc, warps = TILES["transposed" if transposed else "rows"]
+            if group_mode == COL_GROUPS.value:  # a column tile must not straddle two groups
+                bc = COL_GROUP_WIDTH
+            self.grid = (cdiv(rows_out, br), cdiv(lp, bc))
+            self.kernel = _fp4_quantize_kernel.bind(
+                SCALE_RULE=rule, BLOCK=block[1], TILE_ROWS=block[0], STOCHASTIC=stochastic, BF16_BITS=self.bf16,
+                HADAMARD=hadamard, AMAX_ONLY=amax_only, OUT_VALUES=out_values, TRANSPOSED=transposed,
+                GROUPED=group_mode, SEED_IN_MEMORY=in_memory[0], H_SEED_IN_MEMORY=in_memory[1],
+                SRC_GROUPS=src_len is not None, BR=br, BC=bc, num_warps=warps, enable_fp_fusion=False)
+
+
+_LAUNCH_PLANS: dict[tuple, _LaunchPlan] = {}
+_MAX_LAUNCH_PLANS = 512
 
 
 def _launch(x: torch.Tensor, axis: int, block: tuple[int, int], pad: bool, rule: int,
@@ -544,47 +581,33 @@ def _launch(x: torch.Tensor, axis: int, block: tuple[int, int], pad: bool, rule:
     on the device, the padded length): x holds the groups unpadded, read as the padded layout."""
     if src_groups is not None and group_mode != COL_GROUPS.value:
         raise ValueError("a quantize launch reads unpadded groups (src_groups) along columns only (COL_GROUPS)")
-    axis, pads = check_input(x, axis, block, pad or src_groups is not None)
-    src, rows, length, stride_r, stride_c = _strided_2d(x, axis)
-    if src_groups is not None:  # the kernel reads x's groups where the padded layout puts them
-        length, pads[0] = src_groups[1], 0
-    lp, rows_out = length + pads[0], rows + pads[1]
-    lead = list(x.shape)
-    lead.pop(axis)
-    if block[0] != 1:
-        lead = [rows_out]
+    in_memory = (isinstance(seed, torch.Tensor), isinstance(hadamard_seed, torch.Tensor))
+    src_len = None if src_groups is None else src_groups[1]
+    key = (x.shape, x.stride(), x.dtype, axis, block, pad, rule, stochastic, hadamard, amax_only, out_values,
+           group_mode, src_len, in_memory)
+    plan = _LAUNCH_PLANS.get(key)
+    if plan is None:  # (check_input raises for a call it refuses: nothing kept)
+        plan = _LaunchPlan(x, axis, block, pad, rule, stochastic, hadamard, amax_only, out_values, group_mode, src_len,
+                           in_memory)
+        if len(_LAUNCH_PLANS) >= _MAX_LAUNCH_PLANS:
+            _LAUNCH_PLANS.clear()
+        _LAUNCH_PLANS[key] = plan
+    src = x.movedim(plan.axis, -1).contiguous() if plan.moves else x
     if amax_only:  # the kernel returns before any store: no output buffers
         codes = scales = amax
     elif out_values:  # bf16 block values (as int16 bits) in place of codes; no scale bytes
-        codes = torch.empty(*lead, lp, dtype=torch.int16, device=x.device)
-        scales = codes
+        codes = scales = torch.empty(plan.values_shape, dtype=torch.int16, device=x.device)
     else:
-        codes = torch.empty(*lead, lp // 2, dtype=torch.uint8, device=x.device)
-        scales = torch.empty(*lead, lp // block[1], dtype=torch.uint8, device=x.device)
-    if rows_out * lp:
-        # a transposed read (axis 0 of a contiguous matrix) loads [BC, BR] tiles along memory
-        transposed = stride_r == 1 and stride_c != 1
-        br, bc, warps = TILES["transposed" if transposed else "rows"]
-        if group_mode == COL_GROUPS.value:  # a column tile must not straddle two groups
-            bc = COL_GROUP_WIDTH
-        grid = (cdiv(rows_out, br), cdiv(lp, bc))
-        bf16 = src.dtype == torch.bfloat16
-        in_memory = [isinstance(v, torch.Tensor) for v in (seed, hadamard_seed)]
+        codes = torch.empty(plan.codes_shape, dtype=torch.uint8, device=x.device)
+        scales = torch.empty(plan.scales_shape, dtype=torch.uint8, device=x.device)
+    if plan.grid is not None:
         if grouped is None:  # the seeds' pointers: device seeds where given, else unused
             grouped = (codes, seed if in_memory[0] else codes, hadamard_seed if in_memory[1] else codes, 1)
-        _fp4_quantize_kernel[grid](src.view(torch.int16) if bf16 else src, codes, scales,
-                                   codes if amax is None else amax, codes if s_dec is None else s_dec,
-                                   0 if in_memory[0] else seed, 0 if in_memory[1] else hadamard_seed, *grouped,
-                                   codes if src_groups is None else src_groups[0],
-                                   rows, length, rows_out, lp, stride_r, stride_c,
-                                   SCALE_RULE=rule, BLOCK=block[1], TILE_ROWS=block[0],
-                                   STOCHASTIC=stochastic, BF16_BITS=bf16, HADAMARD=hadamard,
-                                   AMAX_ONLY=amax_only, OUT_VALUES=out_values, TRANSPOSED=transposed,
-                                   GROUPED=group_mode, SEED_IN_MEMORY=in_memory[0],
-                                   H_SEED_IN_MEMORY=in_memory[1], SRC_GROUPS=src_groups is not None,
-                                   BR=br, BC=bc, num_warps=warps,
-                                   enable_fp_fusion=False)
-    return codes, scales, axis
+        plan.kernel[plan.grid](src.view(torch.int16) if plan.bf16 else src, codes, scales,
+                               codes if amax is None else amax, codes if s_dec is None else s_dec,
+                               0 if in_memory[0] else seed, 0 if in_memory[1] else hadamard_seed, *grouped,
+                               codes if src_groups is None else src_groups[0], *plan.sizes)
+    return codes, scales, plan.axis
 
 
 def _kernel_seed(seed: int | torch.Generator | torch.Tensor | None) -> int | torch.Tensor:
@@ -626,15 +649,31 @@ def _nvfp4(x: torch.Tensor, out_values: bool, *, axis: int = -1, block: int | tu
            profile: str | NVFP4Profile = NVFP4Profile.TE, global_amax: float | torch.Tensor | None = None,
            pad: bool = False, hadamard: str | HadamardSigns | None = None,
            hadamard_seed: int | torch.Generator | None = None) -> FP4Tensor | BlockValues:
-    block2, rounding, profile = _nvfp4_block(block), Rounding.parse(rounding), NVFP4Profile.parse(profile)
-    check_input(x, axis, block2, pad)
-    fused = _fused_rotation(x, axis, 16, hadamard, hadamard_seed)
-    if fused is None:
+    key = plan = None
+    if isinstance(x, torch.Tensor):
+        try:
+            key = (x.shape, x.dtype, axis, block, rounding, profile, pad, hadamard)
+            plan = _NVFP4_PLANS.get(key)
+        except TypeError:  # an unhashable argument: worked out afresh (and refused there)
+            key = None
+    if plan is None:
+        block2, rounding, profile = _nvfp4_block(block), Rounding.parse(rounding), NVFP4Profile.parse(profile)
+        axis0, _ = check_input(x, axis, block2, pad)
+        plan = _Nvfp4Plan(block2, rounding, profile, _fused_rotation_rule(x, axis, 16, hadamard),
+                          hadamard is not None and HadamardSigns.parse(hadamard) is HadamardSigns.RANDOM,
+                          _logical_rows(x, axis0))
+        if key is not None:
+            if len(_NVFP4_PLANS) >= _MAX_NVFP4_PLANS:
+                _NVFP4_PLANS.clear()
+            _NVFP4_PLANS[key] = plan
+    block2, rounding, profile, rotation = plan.block, plan.rounding, plan.profile, plan.rotation
+    if rotation is None:  # a rotation the kernel does not take: the reference, its results or its errors
+        _warn_reference()
         from .. import formats
         q = formats.quantize_nvfp4(x, axis=axis, block=block2, rounding=rounding, seed=seed, profile=profile,
                                    global_amax=global_amax, pad=pad, hadamard=hadamard, hadamard_seed=hadamard_seed)
         return BlockValues.of(q) if out_values else q
-    rotation, h_seed = fused
+    h_seed = _kernel_seed(hadamard_seed) if plan.random_signs else 0
     if global_amax is None and rotation != NO_ROTATION.value:
         amax = zeroed_int32(1, x.device)  # (the kernels take its address; [1] as finite_amax_bits')
         _launch(x, axis, block2, pad, NV_TE.value, amax, None, False, 0, rotation, h_seed, amax_only=True)
@@ -650,11 +689,26 @@ def _nvfp4(x: torch.Tensor, out_values: bool, *, axis: int = -1, block: int | tu
     codes, scales, axis = _launch(x, axis, block2, pad, NV_RULES[profile], amax, s_dec, rounding is Rounding.STOCHASTIC,
                                   _seed(rounding, seed), rotation, h_seed, out_values=out_values)
     if out_values:
-        return BlockValues(codes.view(torch.bfloat16).reshape(-1, codes.shape[-1]), s_dec, _logical_rows(x, axis),
-                           Format.NVFP4)
+        return BlockValues(codes.view(torch.bfloat16).reshape(-1, codes.shape[-1]), s_dec, plan.rows, Format.NVFP4)
     return FP4Tensor(codes=codes, scales=scales.view(torch.float8_e4m3fn), tensor_scale=s_dec,
                      shape=x.shape, axis=axis, block=block2, format=Format.NVFP4, rounding=rounding,
                      profile=profile)
+
+
+class _Nvfp4Plan(NamedTuple):
+    """What an NVFP4 quantize takes from its call's shape, dtype and keywords (seeds, amax and the
+    tensor aside): parsed and checked once per such call, and kept."""
+
+    block: tuple[int, int]
+    rounding: Rounding
+    profile: NVFP4Profile
+    rotation: int | None  # the kernel's HADAMARD rule; None: a rotation it does not take (the reference runs)
+    random_signs: bool  # (the rotation draws its signs from hadamard_seed)
+    rows: int  # (_logical_rows)
+
+
+_NVFP4_PLANS: dict[tuple, _Nvfp4Plan] = {}
+_MAX_NVFP4_PLANS = 512
 
 
 def quantize_mxfp4(x: torch.Tensor, *, axis: int = -1, mode: str | MXScaleMode = MXScaleMode.FLOOR,
@@ -698,16 +752,30 @@ def _fused_rotation(x: torch.Tensor, axis: int, size: int, hadamard: str | Hadam
     """The kernel's (HADAMARD rule, seed) for a requested rotation of ``size`` points; None where
     the kernel does not take it (fp16 rounding, an axis ``size`` does not divide, TE's 16 signs
     at 32 points) and the reference runs, with its results or its errors."""
+    rule = _fused_rotation_rule(x, axis, size, hadamard)
+    if rule is None:
+        _warn_reference()
+        return None
+    random = hadamard is not None and HadamardSigns.parse(hadamard) is HadamardSigns.RANDOM
+    return rule, (_kernel_seed(hadamard_seed) if random else 0)
+
+
+def _fused_rotation_rule(x: torch.Tensor, axis: int, size: int, hadamard: str | HadamardSigns | None) -> int | None:
+    """_fused_rotation's rule, from x's shape and dtype: the kernel's HADAMARD rule (NO_ROTATION
+    where none is asked), or None where it does not take the rotation."""
     if hadamard is None:
-        return NO_ROTATION.value, 0
+        return NO_ROTATION.value
     signs = HadamardSigns.parse(hadamard)
     if x.dtype not in (torch.float32, torch.bfloat16) or x.shape[axis] % size or (
             signs is HadamardSigns.TE and size != len(TE_SIGNS)):
-        from . import _warn_once
-        _warn_once("fp4lab.kernels: the fused Hadamard quantize covers float32/bfloat16 inputs whose block axis "
-                   "is a multiple of the rotation size; this call runs the (slower) reference")
         return None
-    return HADAMARD_RULES[signs], (_kernel_seed(hadamard_seed) if signs is HadamardSigns.RANDOM else 0)
+    return HADAMARD_RULES[signs]
+
+
+def _warn_reference() -> None:
+    from . import _warn_once
+    _warn_once("fp4lab.kernels: the fused Hadamard quantize covers float32/bfloat16 inputs whose block axis "
+               "is a multiple of the rotation size; this call runs the (slower) reference")
 
 
 # (BM, BK, warps) of block_values_pair. Swept on an H100 (benchmarks/sweep_quantize.py, x 8192 x 4096
@@ -763,15 +831,18 @@ def block_values_pair(x: torch.Tensor, fmt: Format, *, rows: dict, columns: dict
 
 class _PairPlan:
     """What a pair launch takes from its call's shape, dtype and keywords (seeds aside): worked out
-    once per such call (an FP4 linear makes the same two calls every step) and kept."""
+    once per such call (an FP4 linear makes the same two calls every step) and kept, with its
+    launches' kernels bound to their constexprs (per pass, and per which seeds are device tensors)."""
 
-    def __init__(self, shape: tuple[int, int], fmt: Format, rows: dict, columns: dict, columns_len: int) -> None:
+    def __init__(self, shape: tuple[int, int], dtype: torch.dtype, fmt: Format, rows: dict, columns: dict,
+                 columns_len: int) -> None:
         self.nvfp4 = fmt is Format.NVFP4
         rules = [NV_RULES[NVFP4Profile.parse(kw.get("profile", NVFP4Profile.TE))] if self.nvfp4
                  else MX_RULES[MXScaleMode.parse(kw.get("mode", MXScaleMode.FLOOR))] for kw in (rows, columns)]
         self.roundings = [Rounding.parse(kw.get("rounding", Rounding.RTNE)) for kw in (rows, columns)]
         signs = columns.get("hadamard")
         self.signs = None if signs is None else HadamardSigns.parse(signs)
+        self.bf16 = dtype == torch.bfloat16
         bm, bk, warps = PAIR_TILE
         m, k = shape
         self.grid = (cdiv(columns_len, bm), cdiv(k, bk))
@@ -779,7 +850,19 @@ class _PairPlan:
                             STOCHASTIC_R=self.roundings[0] is Rounding.STOCHASTIC,
                             STOCHASTIC_C=self.roundings[1] is Rounding.STOCHASTIC,
                             HADAMARD_C=NO_ROTATION.value if self.signs is None else HADAMARD_RULES[self.signs],
-                            BM=bm, BK=bk, num_warps=warps, enable_fp_fusion=False)
+                            BF16_BITS=self.bf16, BM=bm, BK=bk, num_warps=warps, enable_fp_fusion=False)
+        self._passes: dict[tuple[bool, bool, bool], tuple] = {}
+
+    def passes(self, in_memory: tuple[bool, bool, bool]) -> tuple:
+        """The launches' bound kernels, in order (NVFP4: the amax pass, then the copies' pass), for
+        seeds in memory as ``in_memory`` says (rows, columns, the columns' rotation)."""
+        bound = self._passes.get(in_memory)
+        if bound is None:
+            flags = dict(SEED_R_IN_MEMORY=in_memory[0], SEED_C_IN_MEMORY=in_memory[1], H_SEED_IN_MEMORY=in_memory[2])
+            bound = self._passes[in_memory] = tuple(
+                _fp4_pair_kernel.bind(**self.options, AMAX_ONLY=amax_only, **flags)
+                for amax_only in ((True, False) if self.nvfp4 else (False,)))
+        return bound
 
 
 _PAIR_PLANS: dict[tuple, _PairPlan] = {}  # (accepted calls only)
@@ -799,7 +882,7 @@ def _pair_plan(x: torch.Tensor, fmt: Format, rows: dict, columns: dict, columns_
         refusal = _refusal(shape, x.dtype, fmt, rows, columns, columns_len)
         if refusal:  # (not kept: a refused call's keywords may hold anything, tensors included)
             return refusal
-        plan = _PairPlan(shape, fmt, rows, columns, columns_len)
+        plan = _PairPlan(shape, x.dtype, fmt, rows, columns, columns_len)
         if key is not None:
             if len(_PAIR_PLANS) >= _MAX_PAIR_PLANS:
                 _PAIR_PLANS.clear()
@@ -826,15 +909,13 @@ def try_block_values_pair(x: torch.Tensor, fmt: Format, *, rows: dict, columns: 
     # NVFP4: both tensor amaxes (zeroed: the first pass takes atomic maxima) and both S_dec
     amax = zeroed_int32(2, device) if plan.nvfp4 else rows_v
     s_dec = torch.empty(2, dtype=torch.float32, device=device) if plan.nvfp4 else rows_v  # written by the kernel
-    in_memory = [isinstance(v, torch.Tensor) for v in seeds]
+    in_memory = (isinstance(seeds[0], torch.Tensor), isinstance(seeds[1], torch.Tensor),
+                 isinstance(seeds[2], torch.Tensor))
     ints = [0 if mem else v for v, mem in zip(seeds, in_memory)]
     ptrs = [v if mem else rows_v for v, mem in zip(seeds, in_memory)]
-    bf16 = x.dtype == torch.bfloat16
-    src = x.view(torch.int16) if bf16 else x
-    for amax_only in (True, False) if plan.nvfp4 else (False,):
-        _fp4_pair_kernel[plan.grid](src, rows_v, cols_v, amax, s_dec, *ints, *ptrs, m, k, columns_len, k,
-                                    BF16_BITS=bf16, AMAX_ONLY=amax_only, SEED_R_IN_MEMORY=in_memory[0],
-                                    SEED_C_IN_MEMORY=in_memory[1], H_SEED_IN_MEMORY=in_memory[2], **plan.options)
+    src = x.view(torch.int16) if plan.bf16 else x
+    for kernel in plan.passes(in_memory):
+        kernel[plan.grid](src, rows_v, cols_v, amax, s_dec, *ints, *ptrs, m, k, columns_len, k)
     scales = (s_dec[0], s_dec[1]) if plan.nvfp4 else (None, None)
     return (BlockValues(rows_v.view(torch.bfloat16), scales[0], m, fmt),
             BlockValues(cols_v.view(torch.bfloat16), scales[1], k, fmt))

@@ -109,6 +109,24 @@ def test_what_triton_specializes_on_goes_through_triton_again(kernel, change, mo
     assert [entry[0] for entry in kernel.log] == ["triton", "triton", "direct"]
 
 
+def test_a_bound_kernel_launches_as_the_keyword_call_and_shares_its_cache(kernel):
+    fast = launch.cached(kernel)
+    x, y = torch.zeros(64), torch.ones(64)
+    bound = fast.bind(BLOCK=16)
+    bound[(4,)](x, 64)
+    assert kernel.log[-1] == ("triton", (4,), (x, 64), {"BLOCK": 16})
+    fast[(2,)](y, 96, BLOCK=16)  # the keyword call finds what the bound one learnt
+    bound[(3,)](y, 32)
+    assert [entry[0] for entry in kernel.log] == ["triton", "direct", "direct"]
+    assert kernel.log[-1] == ("direct", (3, 1, 1), (y, 32, 16, True), 1234)
+    fast.bind(BLOCK=32)[(1,)](x, 64)  # another constexpr: Triton again
+    assert kernel.log[-1][0] == "triton"
+    unhashable = fast.bind(BLOCK=16, extra=[1])  # (keyed at no call: Triton's path each time)
+    unhashable[(1,)](x, 64)
+    unhashable[(1,)](x, 64)
+    assert [entry[0] for entry in kernel.log[-2:]] == ["triton", "triton"]
+
+
 def test_a_constexpr_passed_by_position_is_keyed_by_its_value(kernel):
     fast = launch.cached(kernel)
     x = torch.zeros(64)
