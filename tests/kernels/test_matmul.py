@@ -370,3 +370,22 @@ def test_the_persistent_loop_visits_every_tile_once(m, n, k, programs, b_kn):
         TensorDescriptor.from_tensor(a, [16, 16]), b_desc, out, torch.tensor([0.5]), torch.tensor([0.25]), m, n, k,
         out.stride(0), out.stride(1), programs, B_KN=b_kn, BF16_OUT=False, BM=16, BN=32, BK=16, GROUP_M=2, ALPHA=2)
     assert torch.equal(out, (a @ b.T) * 0.125)
+
+
+def test_calls_of_one_shape_and_another_layout_or_width_each_get_their_own_plan():
+    """A dense call's plan (tile, kernel) is kept per shape and layout: the same a with b K-major,
+    N-major, shifted off 16-byte alignment (TMA's condition, per call) or a narrower b each gives
+    what a fresh call gives, and a plan reused with new operands computes with them."""
+    a, b = _operands(48, 40, 64, 2)
+    alpha = torch.tensor(0.5, device=DEVICE)
+    a, b = a.to(DEVICE), b.to(DEVICE)
+    want = scaled_mm(a, b, alpha, out_dtype=torch.float32)
+    assert torch.equal(scaled_mm(a, b.T.contiguous().T, alpha, out_dtype=torch.float32), want)
+    shifted = torch.empty(b.numel() + 1, dtype=b.dtype, device=DEVICE)[1:].view_as(b)  # 2 bytes in
+    shifted.copy_(b)
+    assert torch.equal(scaled_mm(a, shifted, alpha, out_dtype=torch.float32), want)
+    assert torch.equal(scaled_mm(a, b[:24], alpha, out_dtype=torch.float32), want[:, :24])
+    a2, b2 = (t.to(DEVICE) for t in _operands(48, 40, 64, 3))
+    ref = (a2.double() @ b2.double().T) * 0.5
+    got = scaled_mm(a2, b2, alpha, out_dtype=torch.float32)
+    assert bool(((got.double() - ref).abs() <= _bound(a2.cpu(), b2.cpu(), 0.5).to(DEVICE)).all())

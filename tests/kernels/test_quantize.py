@@ -208,6 +208,22 @@ def test_bad_input_errors_come_from_the_shared_checks():
             kernels.dequantize(q if backend == "reference" else q.to(DEVICE), torch.int8, backend=backend)
 
 
+def test_repeated_calls_of_one_shape_reuse_a_plan_and_still_give_the_references_bytes():
+    """The quantize keeps what it works out per call shape (kernels.quantize's plans): later calls
+    of that shape with other values, another layout, another axis or seed give the reference's
+    bytes, and bad input is refused at every call, not only the first."""
+    for seed in range(3):
+        x = hard_input((32, 64), seed)
+        for kw in (dict(block=(16, 16)), dict(rounding="stochastic", seed=seed), dict(axis=0),
+                   dict(hadamard="random", hadamard_seed=seed + 7)):
+            assert_same(kernels.quantize_nvfp4(x.to(DEVICE), backend="triton", **kw), formats.quantize_nvfp4(x, **kw))
+        xt = x.T.contiguous().T  # the same values and shape, column-major
+        assert_same(kernels.quantize_nvfp4(xt.to(DEVICE), backend="triton"), formats.quantize_nvfp4(x))
+    for _ in range(2):
+        with pytest.raises(ValueError, match="block size 16"):
+            kernels.quantize_nvfp4(torch.randn(3, 20, device=DEVICE), backend="triton")
+
+
 def test_uncovered_shapes_fall_back_to_the_reference_with_one_warning():
     import warnings
     from fp4lab.kernels import _warned
