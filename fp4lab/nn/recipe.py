@@ -123,7 +123,9 @@ class Operand:
         if self.dither and not self.quantized:  # refused here, not at the first step
             raise ValueError(f"dither is in units of an FP4 block scale: a {self.format} operand has none")
 
-    @property
+    # (cached_property: asked several times a layer call; written to the instance's dict, which
+    # a frozen dataclass allows, and outside its fields, so equality, hashing and receipts ignore it)
+    @functools.cached_property
     def quantized(self) -> bool:
         return self.format.quantized
 
@@ -146,15 +148,15 @@ class GemmSpec:
         if self.a.quantized and self.b.quantized and self.a.format is not self.b.format:
             raise ValueError(f"a GEMM's FP4 operands must share a format, got {self.a.format} and {self.b.format}")
 
-    @property
+    @functools.cached_property  # (as Operand.quantized)
     def quantized(self) -> bool:
         return self.a.quantized or self.b.quantized
 
-    @property
+    @functools.cached_property
     def rotated(self) -> bool:
         return self.hadamard is not HadamardMode.NONE
 
-    @property
+    @functools.cached_property
     def emulated(self) -> bool:
         """Whether this GEMM runs other than in plain BF16: an FP4 operand or a rotation."""
         return self.quantized or self.rotated
