@@ -23,7 +23,9 @@ set at import (the E4M3 form, the rule numbers).
 
 ``cached_kernel.bind(**constexprs)`` fixes the keywords once, for a plan that makes the same
 launch every step (kernels.quantize, kernels.matmul): ``bound[grid](*args)`` launches as the
-keyword call would, sharing its cache, without keying the keywords again at each call.
+keyword call would, without keying the keywords again at each call. It shares the keyword call's
+cache entry where the keywords come in the same order (another order is another entry, learnt
+through Triton's path once).
 
 Public: ``cached``.
 """
@@ -119,7 +121,7 @@ class _Cached:
     def bind(self, **kwargs) -> "_Bound":
         """The kernel with its keywords (constexprs, launch options) fixed: ``bound[grid](*args)``
         launches as ``cached_kernel[grid](*args, **kwargs)`` does, without keying the keywords
-        at each call (a plan that makes the same launch every step holds one)."""
+        at each call (a plan that makes the same launch every step holds one; module doc)."""
         return _Bound(self, kwargs)
 
     def _launch(self, grid, args: tuple, kwargs: dict, kwargs_key):

@@ -257,34 +257,30 @@ def _scaled_mm_persistent_kernel(a_desc, b_desc, c_ptr, alpha_ptr, beta_ptr, M, 
 
 
 def _descriptors(a: torch.Tensor, b: torch.Tensor, bm: int, bn: int, bk: int):
-    """TMA descriptors for a [S, K] and b ([N, K] or [G, N, K], either axis contiguous) ->
-    (a_desc, b_desc, b stored [K, N], rows per group in b's 2D view), or None where TMA cannot
-    read them: rows not 16-byte aligned, no contiguous axis, or (grouped, N-major) a K that the
-    tiles would overrun into the next group's rows."""
-    try:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-    except ImportError:
-        return None
-    if not a.is_cuda or a.stride(1) != 1 or (a.stride(0) * 2) % 16 or a.data_ptr() % 16:
+    """TMA descriptors of a grouped launch, for a [S, K] and b [G, N, K] (either of b's last two
+    axes contiguous) -> (a_desc, b_desc, b stored [K, N], rows per group in b's 2D view), or None
+    where TMA cannot read them: rows not 16-byte aligned, no contiguous axis, or (N-major) a K
+    that the tiles would overrun into the next group's rows. (A dense launch's: _DensePlan.)"""
+    descriptor = _tma_descriptor()
+    if descriptor is None or not a.is_cuda or a.stride(1) != 1 or (a.stride(0) * 2) % 16 or a.data_ptr() % 16:
         return None
     k, n = a.shape[1], b.shape[-2]
-    b3 = b if b.dim() == 3 else b[None]
-    if b3.stride(2) == 1:  # K-major: a [G * rows, K] view
-        kn, step, block = False, b3.stride(1), [bn, bk]
+    if b.stride(2) == 1:  # K-major: a [G * rows, K] view
+        kn, step, block = False, b.stride(1), [bn, bk]
         width = k
-    elif b3.stride(1) == 1 and (b.dim() == 2 or k % bk == 0):  # N-major: a [G * rows, N] view
-        kn, step, block = True, b3.stride(2), [bk, bn]
+    elif b.stride(1) == 1 and k % bk == 0:  # N-major: a [G * rows, N] view
+        kn, step, block = True, b.stride(2), [bk, bn]
         width = n
     else:
         return None
     needed = k if kn else n  # rows of the 2D view that one group's B spans
-    if b3.shape[0] > 1 and (b3.stride(0) % step or b3.stride(0) < needed * step):  # expanded or overlapping
+    if b.shape[0] > 1 and (b.stride(0) % step or b.stride(0) < needed * step):  # expanded or overlapping
         return None
-    rows = b3.stride(0) // step if b3.shape[0] > 1 else needed
-    b_mat = b3.as_strided((b3.shape[0] * rows, width), (step, 1))
+    rows = b.stride(0) // step if b.shape[0] > 1 else needed
+    b_mat = b.as_strided((b.shape[0] * rows, width), (step, 1))
     if (step * 2) % 16 or b_mat.data_ptr() % 16:
         return None
-    return TensorDescriptor.from_tensor(a, [bm, bk]), TensorDescriptor.from_tensor(b_mat, block), kn, rows
+    return descriptor.from_tensor(a, [bm, bk]), descriptor.from_tensor(b_mat, block), kn, rows
 
 
 def _check(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, *alphas: torch.Tensor) -> None:
@@ -325,41 +321,25 @@ def _config(m: int, n: int, grouped: bool, device: torch.device, persistent: boo
     return _TINY_OUT if 2 * cdiv(m, 128) * cdiv(n, 128) < sms else _SMALL_OUT
 
 
-def _launch(a, b, out, alpha, beta, mode, grid, tiles, m, n, k, s_bg, s_alpha, grouped):
-    """One GEMM launch: the persistent TMA kernel, the TMA kernel or the pointer kernel (module
-    doc), the epilogue scaling by alpha and beta as ``mode`` says (_store_scaled's ALPHA)."""
+def _grouped_launch(a, b, out, alpha, s_alpha, tiles, m, n, k):
+    """One grouped GEMM launch (grouped_scaled_mm): the TMA kernel where _descriptors can read the
+    operands, else the pointer kernel, walking the tile list ``tiles``; group g's epilogue scales
+    by alpha[g * s_alpha]."""
     interpreted = env("TRITON_INTERPRET") == "1"
-    persistent = PERSISTENT and not grouped and not interpreted and USE_TMA
-    bm, bn, bk, warps, stages = _config(m, n, grouped, a.device, persistent)
-    if tiles is None:
-        tiles = (a, a, a)  # unused pointers
+    bm, bn, bk, warps, stages = _config(m, n, True, a.device)
+    grid = (tiles[0].numel() * cdiv(n, bn),)
+    bf16 = out.dtype == torch.bfloat16
     tma = None if interpreted or not USE_TMA else _descriptors(a, b, bm, bn, bk)
-    if tma is None and persistent:  # the pointer kernel, on its own tile
-        bm, bn, bk, warps, stages = _config(m, n, grouped, a.device)
-    elif persistent:
-        a_desc, b_desc, kn, _ = tma
-        programs = min(sm_count(a.device), cdiv(m, bm) * cdiv(n, bn))
-        # the epilogue's staging tile stays allocated beside the pipeline's buffers (the next
-        # tile's loads are in flight): as many stages as fit beside it in an SM's shared memory
-        epilogue = bm * bn * out.element_size()
-        stages = max(1, min(stages, (_SHARED_BYTES - epilogue) // ((bm + bn) * bk * a.element_size())))
-        _scaled_mm_persistent_kernel[(programs,)](a_desc, b_desc, out, alpha, beta, m, n, k, out.stride(0),
-                                                  out.stride(1), programs, B_KN=kn,
-                                                  BF16_OUT=out.dtype == torch.bfloat16, BM=bm, BN=bn, BK=bk,
-                                                  GROUP_M=8, ALPHA=mode, num_warps=warps, num_stages=stages)
-        return
     if tma is not None:
         a_desc, b_desc, kn, group_rows = tma
-        _scaled_mm_tma_kernel[grid(bm, bn)](a_desc, b_desc, out, alpha, beta, *tiles, m, n, k, out.stride(0),
-                                            out.stride(1), s_alpha, group_rows if grouped else 0, GROUPED=grouped,
-                                            B_KN=kn, BF16_OUT=out.dtype == torch.bfloat16, BM=bm, BN=bn, BK=bk,
-                                            GROUP_M=8, ALPHA=mode, num_warps=warps, num_stages=stages)
+        _scaled_mm_tma_kernel[grid](a_desc, b_desc, out, alpha, alpha, *tiles, m, n, k, out.stride(0), out.stride(1),
+                                    s_alpha, group_rows, GROUPED=True, B_KN=kn, BF16_OUT=bf16, BM=bm, BN=bn, BK=bk,
+                                    GROUP_M=8, ALPHA=1, num_warps=warps, num_stages=stages)
         return
-    _scaled_mm_kernel[grid(bm, bn)](a, b, out, alpha, beta, *tiles, m, n, k, a.stride(0), a.stride(1), s_bg,
-                                    b.stride(-2), b.stride(-1), out.stride(0), out.stride(1), s_alpha,
-                                    GROUPED=grouped, BF16_OUT=out.dtype == torch.bfloat16, EVEN_K=k % bk == 0,
-                                    DOT_F32=interpreted, BM=bm, BN=bn, BK=bk, GROUP_M=8, ALPHA=mode,
-                                    num_warps=warps, num_stages=stages)
+    _scaled_mm_kernel[grid](a, b, out, alpha, alpha, *tiles, m, n, k, a.stride(0), a.stride(1), b.stride(0),
+                            b.stride(-2), b.stride(-1), out.stride(0), out.stride(1), s_alpha, GROUPED=True,
+                            BF16_OUT=bf16, EVEN_K=k % bk == 0, DOT_F32=interpreted, BM=bm, BN=bn, BK=bk, GROUP_M=8,
+                            ALPHA=1, num_warps=warps, num_stages=stages)
 
 
 def scaled_mm(a: torch.Tensor, b: torch.Tensor, alpha: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None, *,
@@ -380,7 +360,10 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, alpha: torch.Tensor | tuple[torc
     if done:
         return out
     first = pair[0] if pair else out  # (an unused pointer where there is no scale)
-    key = (a.shape, a.stride(), b.shape, b.stride(), out_dtype, len(pair), a.device, USE_TMA, PERSISTENT)
+    # (the tile settings a plan was made under are part of its key: a sweep that changes them, or
+    # _config itself, gets plans of the new tile)
+    key = (a.shape, a.stride(), b.shape, b.stride(), out_dtype, len(pair), a.device, USE_TMA, PERSISTENT, _config,
+           _BM, _BN, _BK, _WARPS, _STAGES, _LARGE_OUT, _SMALL_OUT, _TINY_OUT)
     plan = _DENSE_PLANS.get(key)
     if plan is None:
         if len(_DENSE_PLANS) >= _MAX_DENSE_PLANS:
@@ -392,9 +375,11 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, alpha: torch.Tensor | tuple[torc
 
 class _DensePlan:
     """What a dense scaled_mm launch takes from its operands' shapes, strides and dtypes (tensors
-    aside), as _launch chooses it: the kernel, tile and stages, worked out once per such call (an
-    FP4 linear makes the same three every step) and kept. Where the layout allows TMA, a call
-    whose operands are not 16-byte aligned takes the pointer kernel, as _launch's would."""
+    aside): the kernel (the persistent TMA kernel, the TMA kernel or the pointer kernel; module
+    doc), tile and stages, worked out once per such call (an FP4 linear makes the same three every
+    step) and kept. Where the layout allows TMA, a call whose operands are not 16-byte aligned
+    takes the pointer kernel on its own tile. Whether the interpreter runs is read when a plan is
+    made: Triton decides it when the kernels are decorated, at import."""
 
     def __init__(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, mode: int) -> None:
         (m, k), n = a.shape, b.shape[0]
@@ -535,8 +520,7 @@ def grouped_scaled_mm(a: torch.Tensor, b: torch.Tensor, sizes: Sequence[int] | t
     tiles = _device_tiles(sizes, s, bm) if isinstance(sizes, torch.Tensor) else _host_tiles(sizes, bm, a.device)
     s_alpha = 1 if alpha.numel() > 1 else 0
     alpha = alpha.reshape(-1).contiguous()
-    _launch(a, b, out, alpha, alpha, 1, lambda _bm, bn: (tiles[0].numel() * cdiv(n, bn),), tiles, s, n, k,
-            b.stride(0), s_alpha, True)
+    _grouped_launch(a, b, out, alpha, s_alpha, tiles, s, n, k)
     return out
 
 

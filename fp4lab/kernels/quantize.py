@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import operator
 import struct
 from typing import NamedTuple
 
@@ -583,8 +584,9 @@ def _launch(x: torch.Tensor, axis: int, block: tuple[int, int], pad: bool, rule:
         raise ValueError("a quantize launch reads unpadded groups (src_groups) along columns only (COL_GROUPS)")
     in_memory = (isinstance(seed, torch.Tensor), isinstance(hadamard_seed, torch.Tensor))
     src_len = None if src_groups is None else src_groups[1]
+    # (the tiles a plan was made with are part of its key: a sweep that changes TILES gets plans of the new tile)
     key = (x.shape, x.stride(), x.dtype, axis, block, pad, rule, stochastic, hadamard, amax_only, out_values,
-           group_mode, src_len, in_memory)
+           group_mode, src_len, in_memory, TILES["rows"], TILES["transposed"], COL_GROUP_WIDTH)
     plan = _LAUNCH_PLANS.get(key)
     if plan is None:  # (check_input raises for a call it refuses: nothing kept)
         plan = _LaunchPlan(x, axis, block, pad, rule, stochastic, hadamard, amax_only, out_values, group_mode, src_len,
@@ -652,9 +654,9 @@ def _nvfp4(x: torch.Tensor, out_values: bool, *, axis: int = -1, block: int | tu
     key = plan = None
     if isinstance(x, torch.Tensor):
         try:
-            key = (x.shape, x.dtype, axis, block, rounding, profile, pad, hadamard)
+            key = (x.shape, x.dtype, operator.index(axis), block, rounding, profile, pad, hadamard)
             plan = _NVFP4_PLANS.get(key)
-        except TypeError:  # an unhashable argument: worked out afresh (and refused there)
+        except TypeError:  # an unhashable argument, or an axis that is no index: worked out afresh (and refused there)
             key = None
     if plan is None:
         block2, rounding, profile = _nvfp4_block(block), Rounding.parse(rounding), NVFP4Profile.parse(profile)
@@ -873,7 +875,7 @@ def _pair_plan(x: torch.Tensor, fmt: Format, rows: dict, columns: dict, columns_
     """The call's _PairPlan, or why the pair kernel does not cover it (pair_refusal)."""
     shape = tuple(x.shape)
     try:
-        key = (fmt, shape, x.dtype, columns_len, *((k, v) for k, v in rows.items() if k not in _PER_CALL),
+        key = (fmt, shape, x.dtype, columns_len, PAIR_TILE, *((k, v) for k, v in rows.items() if k not in _PER_CALL),
                None, *((k, v) for k, v in columns.items() if k not in _PER_CALL))
         plan = _PAIR_PLANS.get(key)
     except TypeError:  # an unhashable keyword value: worked out afresh

@@ -114,6 +114,7 @@ class Operand:
         for name, kind in (("format", Format), ("rounding", Rounding), ("profile", NVFP4Profile),
                            ("mx_mode", MXScaleMode)):
             object.__setattr__(self, name, kind.parse(getattr(self, name)))
+        self.quantized  # (worked out here, once: see below)
         if self.block2d and not (self.quantized and (16, 16) in self.format.spec.blocks):
             raise ValueError(f"block2d (16x16 tiles) is an NVFP4 weight option, not {self.format}")
         if not 0.0 <= self.dither <= 4.0:
@@ -124,7 +125,9 @@ class Operand:
             raise ValueError(f"dither is in units of an FP4 block scale: a {self.format} operand has none")
 
     # (cached_property: asked several times a layer call; written to the instance's dict, which
-    # a frozen dataclass allows, and outside its fields, so equality, hashing and receipts ignore it)
+    # a frozen dataclass allows, and outside its fields, so equality, hashing and receipts ignore it;
+    # __post_init__ reads it, so it is in the dict before any trace: on Python 3.11 the property's
+    # first read takes a lock, which torch.compile cannot trace)
     @functools.cached_property
     def quantized(self) -> bool:
         return self.format.quantized
@@ -147,6 +150,7 @@ class GemmSpec:
             raise ValueError(f"hadamard_size must be 16 or 32, got {self.hadamard_size}")
         if self.a.quantized and self.b.quantized and self.a.format is not self.b.format:
             raise ValueError(f"a GEMM's FP4 operands must share a format, got {self.a.format} and {self.b.format}")
+        self.quantized, self.rotated, self.emulated  # (worked out here, once: Operand.quantized says why)
 
     @functools.cached_property  # (as Operand.quantized)
     def quantized(self) -> bool:

@@ -389,3 +389,15 @@ def test_calls_of_one_shape_and_another_layout_or_width_each_get_their_own_plan(
     ref = (a2.double() @ b2.double().T) * 0.5
     got = scaled_mm(a2, b2, alpha, out_dtype=torch.float32)
     assert bool(((got.double() - ref).abs() <= _bound(a2.cpu(), b2.cpu(), 0.5).to(DEVICE)).all())
+
+
+def test_a_dense_plan_follows_the_tile_settings(monkeypatch):
+    """A dense plan is keyed by the tile settings it was made under (and by _config itself): a
+    sweep that changes them launches the new tile."""
+    a, b = (t.to(DEVICE) for t in _operands(96, 80, 64, 4))
+    alpha = torch.tensor(1.0, device=DEVICE)
+    monkeypatch.setattr(matmul, "PERSISTENT", False)
+    want = scaled_mm(a, b, alpha)
+    monkeypatch.setattr(matmul, "_config", lambda m, n, grouped, device, persistent=False: (16, 16, 32, 4, 2))
+    assert torch.equal(scaled_mm(a, b, alpha), want)
+    assert any(plan.pointer_grid == (6 * 5,) for plan in matmul._DENSE_PLANS.values())  # 96 / 16 x 80 / 16 tiles

@@ -224,6 +224,30 @@ def test_repeated_calls_of_one_shape_reuse_a_plan_and_still_give_the_references_
             kernels.quantize_nvfp4(torch.randn(3, 20, device=DEVICE), backend="triton")
 
 
+def test_a_plan_follows_the_tile_settings_and_takes_no_float_axis(monkeypatch):
+    """A plan is keyed by the tile it was made with: a sweep that changes TILES or PAIR_TILE
+    launches the new tile (the bytes the same); and an axis that is no index is refused whatever
+    was planned for the index it equals."""
+    from fp4lab.kernels import quantize
+    x = hard_input((64, 256), 1)
+    ref = formats.quantize_nvfp4(x)
+    assert_same(kernels.quantize_nvfp4(x.to(DEVICE), backend="triton"), ref)
+    monkeypatch.setitem(quantize.TILES, "rows", (16, 64, 2))
+    assert_same(kernels.quantize_nvfp4(x.to(DEVICE), backend="triton"), ref)
+    assert any(plan.grid == (4, 4) for plan in quantize._LAUNCH_PLANS.values())  # 64 / 16 rows, 256 / 64 columns
+    pair = dict(rows=dict(rounding="rtne"), columns=dict(rounding="rtne"), columns_len=64, backend="triton")
+    want = kernels.quantize_values_pair(x.to(DEVICE), "nvfp4", **pair)
+    monkeypatch.setattr(quantize, "PAIR_TILE", (32, 64, 4))
+    got = kernels.quantize_values_pair(x.to(DEVICE), "nvfp4", **pair)
+    assert any(p.grid == (2, 4) for p in quantize._PAIR_PLANS.values())
+    for w, g in zip(want, got):
+        assert torch.equal(w.values.view(torch.int16), g.values.view(torch.int16))  # (NaN blocks: bits)
+        assert torch.equal(w.tensor_scale, g.tensor_scale)
+    kernels.quantize_nvfp4(x.to(DEVICE), axis=1, backend="triton")
+    with pytest.raises(TypeError):
+        kernels.quantize_nvfp4(x.to(DEVICE), axis=1.0, backend="triton")
+
+
 def test_uncovered_shapes_fall_back_to_the_reference_with_one_warning():
     import warnings
     from fp4lab.kernels import _warned
