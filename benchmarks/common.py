@@ -6,6 +6,7 @@ import contextlib
 import datetime
 import json
 import os
+import platform
 import subprocess
 from pathlib import Path
 
@@ -19,7 +20,9 @@ def environment() -> dict:
     # the device machine gets a copy of the tree without .git: the caller passes the commit
     sha = os.environ.get("FP4LAB_GIT_SHA") or subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip()
-    return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+    device = (torch.cuda.get_device_name() if torch.cuda.is_available()
+              else f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)")  # (CPU-only benchmarks)
+    return {"device": device, "torch": torch.__version__, "triton": triton.__version__,
             "date": datetime.date.today().isoformat(), "git": sha or "unknown"}
 
 
