@@ -7,9 +7,10 @@ several microseconds, 20 to 30 calls an FP4 linear's step. ``sm_count`` asks the
 ``zeroed_int32`` gives the zeroed buffers that amax passes take atomic maxima in, without a
 fill launch each (torch.zeros' fill was tens of microseconds of host time, three an FP4 linear's
 step). ``env`` reads an environment switch (the backend, the interpreter) for the twenty-odd
-reads an FP4 linear's step makes.
+reads an FP4 linear's step makes. ``PlanTable`` holds what a kernel entry works out once per call
+shape (its plans), bounded.
 
-Public: ``cdiv``, ``sm_count``, ``zeroed_int32``, ``env``.
+Public: ``cdiv``, ``sm_count``, ``zeroed_int32``, ``env``, ``PlanTable``.
 """
 
 from __future__ import annotations
@@ -86,3 +87,20 @@ def env(name: str, default: str | None = None) -> str | None:
         return os.environ.get(name, default)
     value = table.get(name.encode(_ENCODING, "surrogateescape"))
     return default if value is None else value.decode(_ENCODING, "surrogateescape")
+
+
+class PlanTable(dict):
+    """Plans kept per call key (kernels.quantize, kernels.matmul): a dict whose ``keep`` stores one,
+    emptying the table first once it holds ``limit`` plans (keys made per call, say, never grow it
+    without bound; a dropped plan is worked out again)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def keep(self, key, plan):
+        """Store ``plan`` under ``key``; -> plan."""
+        if len(self) >= self.limit:
+            self.clear()
+        self[key] = plan
+        return plan

@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 
 from .elements import to_bf16_rtne, widen
-from .host import cdiv, env, sm_count
+from .host import PlanTable, cdiv, env, sm_count
 from .launch import cached
 from .operand import device_counts
 
@@ -262,7 +262,7 @@ def _descriptors(a: torch.Tensor, b: torch.Tensor, bm: int, bn: int, bk: int):
     where TMA cannot read them: rows not 16-byte aligned, no contiguous axis, or (N-major) a K
     that the tiles would overrun into the next group's rows. (A dense launch's: _DensePlan.)"""
     descriptor = _tma_descriptor()
-    if descriptor is None or not a.is_cuda or a.stride(1) != 1 or (a.stride(0) * 2) % 16 or a.data_ptr() % 16:
+    if descriptor is None or not _tma_reads_rows(a) or a.data_ptr() % 16:
         return None
     k, n = a.shape[1], b.shape[-2]
     if b.stride(2) == 1:  # K-major: a [G * rows, K] view
@@ -366,9 +366,7 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, alpha: torch.Tensor | tuple[torc
            _BM, _BN, _BK, _WARPS, _STAGES, _LARGE_OUT, _SMALL_OUT, _TINY_OUT)
     plan = _DENSE_PLANS.get(key)
     if plan is None:
-        if len(_DENSE_PLANS) >= _MAX_DENSE_PLANS:
-            _DENSE_PLANS.clear()
-        plan = _DENSE_PLANS[key] = _DensePlan(a, b, out, len(pair))
+        plan = _DENSE_PLANS.keep(key, _DensePlan(a, b, out, len(pair)))
     plan.launch(a, b, out, first, pair[-1] if pair else out)
     return out
 
@@ -392,7 +390,7 @@ class _DensePlan:
         self.pointer_grid = (cdiv(m, bm) * cdiv(n, bn),)
         # TMA: a row-major a, and b K-major ([N, K] rows) or N-major (read as b^T [K, N] rows)
         self.tma = None
-        if interpreted or not USE_TMA or not a.is_cuda or a.stride(1) != 1 or (a.stride(0) * 2) % 16:
+        if interpreted or not USE_TMA or not _tma_reads_rows(a):
             return
         if b.stride(1) == 1:
             self.b_kn, step = False, b.stride(0)
@@ -411,11 +409,12 @@ class _DensePlan:
             stages = max(1, min(stages, (_SHARED_BYTES - epilogue) // ((bm + bn) * bk * a.element_size())))
             self.tma = _scaled_mm_persistent_kernel.bind(B_KN=self.b_kn, BM=bm, BN=bn, BK=bk, num_warps=warps,
                                                           num_stages=stages, **kw)
-            self.tma_grid, self.programs = (programs,), (programs,)
+            self.tma_grid = (programs,)  # (the kernel takes its program count too)
         else:
             self.tma = _scaled_mm_tma_kernel.bind(GROUPED=False, B_KN=self.b_kn, BM=bm, BN=bn, BK=bk, num_warps=warps,
                                                    num_stages=stages, **kw)
-            self.tma_grid, self.programs = (cdiv(m, bm) * cdiv(n, bn),), None
+            self.tma_grid = self.pointer_grid  # (the same tile)
+        self.persistent = PERSISTENT
         self.blocks = [bm, bk], ([bk, bn] if self.b_kn else [bn, bk])
 
     def launch(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, alpha: torch.Tensor,
@@ -425,9 +424,9 @@ class _DensePlan:
             descriptor = _tma_descriptor()
             a_desc = descriptor.from_tensor(a, self.blocks[0])
             b_desc = descriptor.from_tensor(b.t() if self.b_kn else b, self.blocks[1])
-            if self.programs is not None:
+            if self.persistent:
                 self.tma[self.tma_grid](a_desc, b_desc, out, alpha, beta, m, n, k, out.stride(0), out.stride(1),
-                                        *self.programs)
+                                        self.tma_grid[0])
             else:
                 self.tma[self.tma_grid](a_desc, b_desc, out, alpha, beta, a, a, a, m, n, k, out.stride(0),
                                         out.stride(1), 0, 0)
@@ -436,8 +435,13 @@ class _DensePlan:
                                         b.stride(-2), b.stride(-1), out.stride(0), out.stride(1), 0)
 
 
-_DENSE_PLANS: dict[tuple, _DensePlan] = {}
-_MAX_DENSE_PLANS = 512
+_DENSE_PLANS = PlanTable(512)  # key -> _DensePlan
+
+
+def _tma_reads_rows(a: torch.Tensor) -> bool:
+    """Whether TMA can read a bf16 [rows, K] operand's layout: on CUDA, rows contiguous, each row's
+    start 16-byte aligned from the first (the base address is checked at each call)."""
+    return a.is_cuda and a.stride(1) == 1 and (a.stride(0) * 2) % 16 == 0
 
 
 @functools.cache

@@ -46,7 +46,7 @@ from ..formats.mxfp4 import MX_BLOCK
 from ..formats.nvfp4 import _check_amax, _nvfp4_block, nvfp4_tensor_terms
 from ..formats.types import Format, FP4Tensor, MXScaleMode, NVFP4Profile, Rounding
 from .amax import finite_amax_bits, grouped_finite_amax
-from .host import cdiv, zeroed_int32
+from .host import PlanTable, cdiv, zeroed_int32
 from .launch import cached
 from .operand import BlockValues, device_counts
 from .elements import (e2m1_rtne, e2m1_rtne_value, e2m1_stochastic, e2m1_stochastic_value, e2m1_value, e4m3_rtne,
@@ -567,8 +567,7 @@ class _LaunchPlan:
                 SRC_GROUPS=src_len is not None, BR=br, BC=bc, num_warps=warps, enable_fp_fusion=False)
 
 
-_LAUNCH_PLANS: dict[tuple, _LaunchPlan] = {}
-_MAX_LAUNCH_PLANS = 512
+_LAUNCH_PLANS = PlanTable(512)  # key -> _LaunchPlan
 
 
 def _launch(x: torch.Tensor, axis: int, block: tuple[int, int], pad: bool, rule: int,
@@ -589,11 +588,8 @@ def _launch(x: torch.Tensor, axis: int, block: tuple[int, int], pad: bool, rule:
            group_mode, src_len, in_memory, TILES["rows"], TILES["transposed"], COL_GROUP_WIDTH)
     plan = _LAUNCH_PLANS.get(key)
     if plan is None:  # (check_input raises for a call it refuses: nothing kept)
-        plan = _LaunchPlan(x, axis, block, pad, rule, stochastic, hadamard, amax_only, out_values, group_mode, src_len,
-                           in_memory)
-        if len(_LAUNCH_PLANS) >= _MAX_LAUNCH_PLANS:
-            _LAUNCH_PLANS.clear()
-        _LAUNCH_PLANS[key] = plan
+        plan = _LAUNCH_PLANS.keep(key, _LaunchPlan(x, axis, block, pad, rule, stochastic, hadamard, amax_only,
+                                                   out_values, group_mode, src_len, in_memory))
     src = x.movedim(plan.axis, -1).contiguous() if plan.moves else x
     if amax_only:  # the kernel returns before any store: no output buffers
         codes = scales = amax
@@ -665,9 +661,7 @@ def _nvfp4(x: torch.Tensor, out_values: bool, *, axis: int = -1, block: int | tu
                           hadamard is not None and HadamardSigns.parse(hadamard) is HadamardSigns.RANDOM,
                           _logical_rows(x, axis0))
         if key is not None:
-            if len(_NVFP4_PLANS) >= _MAX_NVFP4_PLANS:
-                _NVFP4_PLANS.clear()
-            _NVFP4_PLANS[key] = plan
+            _NVFP4_PLANS.keep(key, plan)
     block2, rounding, profile, rotation = plan.block, plan.rounding, plan.profile, plan.rotation
     if rotation is None:  # a rotation the kernel does not take: the reference, its results or its errors
         _warn_reference()
@@ -709,8 +703,7 @@ class _Nvfp4Plan(NamedTuple):
     rows: int  # (_logical_rows)
 
 
-_NVFP4_PLANS: dict[tuple, _Nvfp4Plan] = {}
-_MAX_NVFP4_PLANS = 512
+_NVFP4_PLANS = PlanTable(512)  # key -> _Nvfp4Plan
 
 
 def quantize_mxfp4(x: torch.Tensor, *, axis: int = -1, mode: str | MXScaleMode = MXScaleMode.FLOOR,
@@ -867,8 +860,7 @@ class _PairPlan:
         return bound
 
 
-_PAIR_PLANS: dict[tuple, _PairPlan] = {}  # (accepted calls only)
-_MAX_PAIR_PLANS = 256
+_PAIR_PLANS = PlanTable(256)  # key -> _PairPlan (accepted calls only)
 
 
 def _pair_plan(x: torch.Tensor, fmt: Format, rows: dict, columns: dict, columns_len: int) -> _PairPlan | str:
@@ -886,9 +878,7 @@ def _pair_plan(x: torch.Tensor, fmt: Format, rows: dict, columns: dict, columns_
             return refusal
         plan = _PairPlan(shape, x.dtype, fmt, rows, columns, columns_len)
         if key is not None:
-            if len(_PAIR_PLANS) >= _MAX_PAIR_PLANS:
-                _PAIR_PLANS.clear()
-            _PAIR_PLANS[key] = plan
+            _PAIR_PLANS.keep(key, plan)
     return plan
 
 

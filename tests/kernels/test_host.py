@@ -63,3 +63,12 @@ def test_env_reads_what_os_environ_holds_now(monkeypatch):
     assert host.env("FP4LAB_TEST_SWITCH") == "reference"
     monkeypatch.setattr(os, "environ", {"FP4LAB_TEST_SWITCH": "replaced"})  # os.environ swapped for a mapping
     assert host.env("FP4LAB_TEST_SWITCH") == "replaced"
+
+
+def test_a_plan_table_keeps_at_most_its_limit():
+    table = host.PlanTable(3)
+    for i in range(3):
+        assert table.keep(i, f"plan {i}") == f"plan {i}"
+    assert dict(table) == {0: "plan 0", 1: "plan 1", 2: "plan 2"}
+    table.keep(3, "plan 3")  # full: emptied first, then kept
+    assert dict(table) == {3: "plan 3"}
