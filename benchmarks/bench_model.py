@@ -24,6 +24,7 @@ activations or a graph's pool), e.g. to see what the pair kernel's kept wgrad co
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import statistics
 import sys
@@ -33,28 +34,32 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import environment, one_copy_at_a_time, save  # noqa: E402
+from benchmarks.common import environment, one_copy_at_a_time, opaque_ops, save  # noqa: E402
 from fp4lab.nn import GPT, model_config, quantize_model  # noqa: E402
 from fp4lab.nn.recipe import preset  # noqa: E402
+from fp4lab.nn.seeds import SeedTable  # noqa: E402
 from fp4lab.train.graphed import GraphedStep  # noqa: E402
 
 ARMS = ("bf16", "nvfp4", "nvfp4_plain", "mxfp4")
 
 
+_VARIANTS = {"": lambda: contextlib.nullcontext(), "single": one_copy_at_a_time, "opaque": opaque_ops}
+
+
 def make_step(arm: str, mode: str, args):
     """-> step(i): one training step (forward, backward, AdamW) of ``args.model`` under the arm's
-    recipe (``name:single``: quantizing x and dy one copy at a time); ``graphed`` /
+    recipe (``name:single``: quantizing x and dy one copy at a time; ``name:opaque``: compiled, the
+    FP4 layers on the opaque custom ops, as before the traced ones); ``graphed`` /
     ``compiled_graphed``: the eager / compiled step captured in a CUDA graph (train.graphed),
     replayed per step (the choice made at capture)."""
     recipe_name, _, variant = arm.partition(":")
-    if variant not in ("", "single"):
-        raise SystemExit(f"unknown arm variant {arm!r} (NAME or NAME:single)")
-    single = variant == "single"
-    with one_copy_at_a_time(single):
+    if variant not in _VARIANTS:
+        raise SystemExit(f"unknown arm variant {arm!r} (NAME, NAME:single or NAME:opaque)")
+    with _VARIANTS[variant]():
         step = _make_step(recipe_name, mode, args)
 
     def run(i: int) -> None:
-        with one_copy_at_a_time(single):
+        with _VARIANTS[variant]():  # (compiled: the first steps trace the graphs)
             step(i)
     return run
 
@@ -64,6 +69,8 @@ def _make_step(recipe_name: str, mode: str, args):
     model = GPT(model_config(args.model, seq_len=args.seq)).cuda()
     context = quantize_model(model, preset(recipe_name))
     runner = torch.compile(model) if mode.startswith("compiled") else model
+    if mode == "compiled":  # as train.run compiles: the seeds in device memory (nn.ops.traceable)
+        context.seeds = SeedTable("cuda")
     graphed = mode.endswith("graphed")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True, capturable=graphed)
     idx = torch.randint(0, model.cfg.vocab_size, (args.batch, args.seq + 1), device="cuda")

@@ -26,23 +26,35 @@ def environment() -> dict:
             "date": datetime.date.today().isoformat(), "git": sha or "unknown"}
 
 
-@contextlib.contextmanager
 def one_copy_at_a_time(active: bool = True):
     """While active, fp4lab's FP4 layers quantize x and dy one copy at a time (FP4LAB_PAIR=0, the
     library's own switch): a step as it ran before the pair kernel, for a side-by-side timing. A
     captured graph keeps the choice made at capture."""
+    return switched("FP4LAB_PAIR", "0", active)
+
+
+def opaque_ops(active: bool = True):
+    """While active, a compiled model's FP4 layers take the opaque custom ops, whose Python body runs
+    at every call (FP4LAB_TRACED=0: nn.ops.traceable), not the traced ones Inductor launches: the
+    compiled step as it ran before them. A compiled graph keeps the choice made when it was traced."""
+    return switched("FP4LAB_TRACED", "0", active)
+
+
+@contextlib.contextmanager
+def switched(name: str, value: str, active: bool = True):
+    """While active, the environment variable ``name`` holds ``value`` (restored after)."""
     if not active:
         yield
         return
-    before = os.environ.get("FP4LAB_PAIR")
-    os.environ["FP4LAB_PAIR"] = "0"
+    before = os.environ.get(name)
+    os.environ[name] = value
     try:
         yield
     finally:
         if before is None:
-            del os.environ["FP4LAB_PAIR"]
+            del os.environ[name]
         else:
-            os.environ["FP4LAB_PAIR"] = before
+            os.environ[name] = before
 
 
 def bench_ms(fn, warmup: int = 25, rep: int = 200) -> float:

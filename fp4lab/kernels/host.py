@@ -8,9 +8,10 @@ several microseconds, 20 to 30 calls an FP4 linear's step. ``sm_count`` asks the
 fill launch each (torch.zeros' fill was tens of microseconds of host time, three an FP4 linear's
 step). ``env`` reads an environment switch (the backend, the interpreter) for the twenty-odd
 reads an FP4 linear's step makes. ``PlanTable`` holds what a kernel entry works out once per call
-shape (its plans), bounded.
+shape (its plans), bounded. ``tracing`` says whether a tracer runs the code (torch.compile
+tracing a traced op of nn.ops): tensors then have no memory, and launches are recorded.
 
-Public: ``cdiv``, ``sm_count``, ``zeroed_int32``, ``env``, ``PlanTable``.
+Public: ``cdiv``, ``sm_count``, ``zeroed_int32``, ``env``, ``PlanTable``, ``tracing``.
 """
 
 from __future__ import annotations
@@ -57,8 +58,9 @@ def zeroed_int32(n: int, device: torch.device) -> torch.Tensor:
     functions return buffers of their own. Not for code whose allocations a CUDA-graph manager
     routes to its private pool outside capture (torch.compile's "reduce-overhead" warm-up): a
     pool made there is that pool's memory, which the manager may reclaim; fp4lab's custom ops
-    take CPU tensors, so Inductor does not graph them."""
-    if device.type != "cuda" or n > _POOL_SLOTS or torch.cuda.is_current_stream_capturing():
+    take CPU tensors, so Inductor does not graph them. While a tracer runs (``tracing``), torch.zeros:
+    the traced graph zeroes its own buffer at every run."""
+    if device.type != "cuda" or n > _POOL_SLOTS or torch.cuda.is_current_stream_capturing() or tracing():
         return torch.zeros(n, dtype=torch.int32, device=device)
     index = device.index if device.index is not None else torch.cuda.current_device()
     key = (index, torch._C._cuda_getCurrentRawStream(index), threading.get_ident())
@@ -70,6 +72,17 @@ def zeroed_int32(n: int, device: torch.device) -> torch.Tensor:
     start = pool[1]
     pool[1] = start + cdiv(n, 4) * 4  # (the next slice 16-byte aligned)
     return pool[0][start:start + n]
+
+
+_TRACER_MODES = tuple(getattr(torch._C._TorchDispatchModeKey, key) for key in ("FAKE", "PROXY", "FUNCTIONAL"))
+
+
+def tracing() -> bool:
+    """Whether a tracer is running this code (torch.compile's fake, proxy or functional mode: what
+    runs a traced op of nn.ops at compile time): tensors have shapes but no memory, so no address
+    can be read and a launch is recorded (torch.library.wrap_triton) rather than made."""
+    mode = torch._C._get_dispatch_mode
+    return any(mode(key) is not None for key in _TRACER_MODES)
 
 
 _ENVIRON = os.environ

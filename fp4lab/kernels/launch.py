@@ -27,6 +27,11 @@ keyword call would, without keying the keywords again at each call. It shares th
 cache entry where the keywords come in the same order (another order is another entry, learnt
 through Triton's path once).
 
+Traced: where torch.compile traces a call (a traced op of nn.ops: its tensors are a tracer's, with
+no memory), a launch is recorded with ``torch.library.wrap_triton`` instead, and Inductor's
+generated code makes it at run time, with its own launcher. A host TMA descriptor cannot be
+recorded (torch does not capture one outside dynamo): kernels.matmul takes its pointer kernel there.
+
 Public: ``cached``.
 """
 
@@ -34,7 +39,10 @@ from __future__ import annotations
 
 import torch
 
+from .host import tracing
+
 _UNKNOWN = object()
+_TRACED = object()  # a tracer's tensor among the arguments: the launch is recorded (module doc)
 _MAX_SIGNATURES = 512  # per kernel; past it the remembered signatures are dropped and relearnt
 _triton = None  # (triton.runtime.driver, triton.knobs), imported at the first launch
 
@@ -64,10 +72,13 @@ def _arg_key(arg):
     keyer = _BY_TYPE.get(type(arg))  # (by exact type: a dict lookup, no isinstance chain)
     if keyer is not None:
         return keyer(arg)
-    if isinstance(arg, torch.Tensor):  # a subclass (a Parameter)
-        return _tensor_key(arg)
+    if isinstance(arg, torch.Tensor):  # a subclass: a Parameter, or a tracer's tensor (no address)
+        return _TRACED if tracing() else _tensor_key(arg)
     base = getattr(arg, "base", None)  # a host TMA descriptor (triton.tools.tensor_descriptor)
     if isinstance(base, torch.Tensor) and hasattr(arg, "block_shape"):
+        if tracing():
+            raise RuntimeError("a host TMA descriptor cannot be recorded in a traced graph (torch.library."
+                               "wrap_triton): launch the pointer kernel while tracing")
         # Triton compiles for its dtype and block; the alignments of its sizes and strides are kept
         # too (classes, not values: a new row count is not a new signature)
         return (base.dtype, base.data_ptr() % 16 == 0, tuple(arg.block_shape),
@@ -78,7 +89,7 @@ def _arg_key(arg):
 
 def _signature(args: tuple, constexpr: tuple[bool, ...]) -> tuple | None:
     """The positional arguments' keys, two entries each (a kind, then its key), flattened into one
-    tuple, or None where one is unknown (_arg_key). A constexpr is keyed by its value. The two
+    tuple, or None where one is unknown (_arg_key), or _TRACED where one is a tracer's tensor. A constexpr is keyed by its value. The two
     commonest kinds are keyed inline: a tensor by its dtype and 16-byte alignment; an int by
     Triton's specializations (1, divisible by 16, i32 / i64 / u64 by range) packed into one small
     int. A launch keys a dozen or two arguments, and a function call and a nested tuple each were
@@ -94,8 +105,8 @@ def _signature(args: tuple, constexpr: tuple[bool, ...]) -> tuple | None:
             keys += (int, (arg == 1) + 2 * (arg % 16 == 0) + 4 * (-_I32 <= arg < _I32) + 8 * (arg < _U64))
         else:
             key = _arg_key(arg)
-            if key is _UNKNOWN:
-                return None
+            if key is _UNKNOWN or key is _TRACED:
+                return None if key is _UNKNOWN else key
             keys += (kind, key)
     return tuple(keys)
 
@@ -125,16 +136,20 @@ class _Cached:
         return _Bound(self, kwargs)
 
     def _launch(self, grid, args: tuple, kwargs: dict, kwargs_key):
-        if self._interpreted or callable(grid):
+        if self._interpreted:
+            return self.kernel[grid](*args, **kwargs)
+        if self._constexpr is None:
+            self._constexpr = tuple(p.is_constexpr for p in self.kernel.params)
+        signature = _signature(args, self._constexpr)  # (None: a call the cache does not take)
+        if signature is _TRACED:
+            return torch.library.wrap_triton(self.kernel)[grid](*args, **kwargs)
+        if callable(grid):
             return self.kernel[grid](*args, **kwargs)
         driver, knobs = _triton or _import_triton()
         try:
             device = driver.active.get_current_device()
         except Exception:  # no GPU driver (an offline compile's recorder stands in for Triton's launch)
             return self.kernel[grid](*args, **kwargs)
-        if self._constexpr is None:
-            self._constexpr = tuple(p.is_constexpr for p in self.kernel.params)
-        signature = _signature(args, self._constexpr)  # (None: a call the cache does not take)
         key = hit = None
         if signature is not None:
             try:

@@ -27,7 +27,8 @@ the tiles past the live ones get an empty row range and their programs do no wor
 ``contraction_grouped_mm`` takes its widths either way too.
 
 On CUDA the tiles come through TMA descriptors (``_scaled_mm_tma_kernel``) where the
-operands' layout allows, else through pointers (``_scaled_mm_kernel``, also the interpreter's path).
+operands' layout allows, else through pointers (``_scaled_mm_kernel``, also the interpreter's path
+and a traced call's: kernels.launch).
 Under TRITON_INTERPRET=1 the dot multiplies exact fp32 copies (the interpreter's bf16 dot
 multiplies raw bit patterns); the result is the same function up to fp32 summation order.
 
@@ -46,7 +47,7 @@ import triton
 import triton.language as tl
 
 from .elements import to_bf16_rtne, widen
-from .host import PlanTable, cdiv, env, sm_count
+from .host import PlanTable, cdiv, env, sm_count, tracing
 from .launch import cached
 from .operand import device_counts
 
@@ -77,25 +78,27 @@ same bits)."""
 
 
 @triton.jit
-def _tile(pid, tile_group_ptr, tile_row_ptr, group_end_ptr, M, N, GROUPED: tl.constexpr, BM: tl.constexpr,
-          BN: tl.constexpr, GROUP_M: tl.constexpr):
-    """Program -> (group, first row, the group's row end, column tile). Grouped: the host's tile
-    list; dense: GROUP_M row tiles share each column tile while it sits in L2."""
+def _dense_tile(pid, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+    """Program -> (group 0, first row, row end M, column tile): GROUP_M row tiles share each column
+    tile while it sits in L2."""
     tiles_n = tl.cdiv(N, BN)
-    if GROUPED:
-        t, pid_n = pid // tiles_n, pid % tiles_n
-        g = tl.load(tile_group_ptr + t)
-        row_end = tl.load(group_end_ptr + g)
-        row0 = tl.load(tile_row_ptr + t)
-    else:
-        g = 0
-        row_end = M
-        tiles_m = tl.cdiv(M, BM)
-        first_m = (pid // (GROUP_M * tiles_n)) * GROUP_M
-        size_m = tl.minimum(tiles_m - first_m, GROUP_M)
-        row0 = (first_m + (pid % (GROUP_M * tiles_n)) % size_m) * BM
-        pid_n = (pid % (GROUP_M * tiles_n)) // size_m
-    return g, row0, row_end, pid_n
+    tiles_m = tl.cdiv(M, BM)
+    first_m = (pid // (GROUP_M * tiles_n)) * GROUP_M
+    size_m = tl.minimum(tiles_m - first_m, GROUP_M)
+    row0 = (first_m + (pid % (GROUP_M * tiles_n)) % size_m) * BM
+    pid_n = (pid % (GROUP_M * tiles_n)) // size_m
+    return 0, row0, M, pid_n
+
+
+@triton.jit
+def _grouped_tile(pid, tile_group_ptr, tile_row_ptr, group_end_ptr, N, BN: tl.constexpr):
+    """Program -> (group, first row, the group's row end, column tile) from the host's tile list.
+    (Apart from _dense_tile: where a dense kernel handed these pointers on, torch's analysis of a
+    traced launch would count them written, since the stored addresses come from the call.)"""
+    tiles_n = tl.cdiv(N, BN)
+    t, pid_n = pid // tiles_n, pid % tiles_n
+    g = tl.load(tile_group_ptr + t)
+    return g, tl.load(tile_row_ptr + t), tl.load(group_end_ptr + g), pid_n
 
 
 @triton.jit
@@ -150,8 +153,10 @@ def _scaled_mm_kernel(a_ptr, b_ptr, c_ptr, alpha_ptr, beta_ptr, tile_group_ptr, 
                       GROUPED: tl.constexpr, BF16_OUT: tl.constexpr, EVEN_K: tl.constexpr,
                       DOT_F32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                       GROUP_M: tl.constexpr, ALPHA: tl.constexpr):
-    g, row0, row_end, pid_n = _tile(tl.program_id(0), tile_group_ptr, tile_row_ptr, group_end_ptr, M, N,
-                                    GROUPED, BM, BN, GROUP_M)
+    if GROUPED:
+        g, row0, row_end, pid_n = _grouped_tile(tl.program_id(0), tile_group_ptr, tile_row_ptr, group_end_ptr, N, BN)
+    else:
+        g, row0, row_end, pid_n = _dense_tile(tl.program_id(0), M, N, BM, BN, GROUP_M)
     if GROUPED:
         b_ptr += g.to(tl.int64) * s_bg
         K = tl.where(row0 < row_end, K, 0)  # a tile past a device-made list's live ones: no work
@@ -202,8 +207,10 @@ def _scaled_mm_tma_kernel(a_desc, b_desc, c_ptr, alpha_ptr, beta_ptr, tile_group
     out-of-range reads are zeros). b is [G * b_group_rows, K] (K-major: group g's B from row
     g * b_group_rows) or, with B_KN, [G * b_group_rows, N] (group g's B^T from that row). Grouped:
     rows past a group's end read the next group's rows; they are never stored."""
-    g, row0, row_end, pid_n = _tile(tl.program_id(0), tile_group_ptr, tile_row_ptr, group_end_ptr, M, N,
-                                    GROUPED, BM, BN, GROUP_M)
+    if GROUPED:
+        g, row0, row_end, pid_n = _grouped_tile(tl.program_id(0), tile_group_ptr, tile_row_ptr, group_end_ptr, N, BN)
+    else:
+        g, row0, row_end, pid_n = _dense_tile(tl.program_id(0), M, N, BM, BN, GROUP_M)
     b_row0 = g * b_group_rows
     n0 = pid_n * BN
     if GROUPED:
@@ -226,7 +233,7 @@ def _scaled_mm_persistent_kernel(a_desc, b_desc, c_ptr, alpha_ptr, beta_ptr, M, 
                                  BK: tl.constexpr, GROUP_M: tl.constexpr, ALPHA: tl.constexpr):
     """The dense TMA GEMM as a persistent kernel: ``programs`` programs (one an SM, at most one a
     tile; a run-time number, so a new output size does not compile again) walk the output
-    tiles in _tile's order, one K loop after another flattened into a single pipelined loop, so
+    tiles in _dense_tile's order, one K loop after another flattened into a single pipelined loop, so
     the loads of a program's next tile are in flight while it scales and stores the last (a short
     contraction, K = 768, spends a third of a tile's time outside its K loop). Each output element
     is summed as _scaled_mm_tma_kernel sums it (the same K steps): the same bits."""
@@ -243,7 +250,7 @@ def _scaled_mm_persistent_kernel(a_desc, b_desc, c_ptr, alpha_ptr, beta_ptr, M, 
         ki = tl.where(ki == k_steps - 1, 0, ki + 1)
         if ki == 0:
             tile += programs
-            _, row0, _, pid_n = _tile(tile, tile, tile, tile, M, N, False, BM, BN, GROUP_M)
+            _, row0, _, pid_n = _dense_tile(tile, M, N, BM, BN, GROUP_M)
             n0 = pid_n * BN
         a = a_desc.load([row0, ki * BK])
         if B_KN:
@@ -420,7 +427,8 @@ class _DensePlan:
     def launch(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, alpha: torch.Tensor,
                beta: torch.Tensor) -> None:
         m, n, k = self.mnk
-        if self.tma is not None and a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0:
+        # (traced: no address to read, and a host descriptor cannot be recorded; kernels.launch)
+        if self.tma is not None and not tracing() and a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0:
             descriptor = _tma_descriptor()
             a_desc = descriptor.from_tensor(a, self.blocks[0])
             b_desc = descriptor.from_tensor(b.t() if self.b_kn else b, self.blocks[1])

@@ -228,6 +228,14 @@ def _weight_tiles_shared(recipe: Recipe) -> bool:
             and d.a.quantized)
 
 
+@recipe_rule
+def draws_seeds(recipe: Recipe) -> bool:
+    """Whether any GEMM of ``recipe`` draws a seed (Call.seed): stochastic rounding, a dithered
+    weight, or random Hadamard signs re-drawn per call."""
+    return any(op.rounding is Rounding.STOCHASTIC or op.dither or recipe.gemm(g).hadamard is HadamardMode.RANDOM
+               for g in GEMMS for op in (recipe.gemm(g).a, recipe.gemm(g).b))
+
+
 def w_values_shape(weight: torch.Tensor) -> tuple[int, int]:
     """The stored shape of a [N, K] weight's 16x16-tiled block values: both axes padded to 16."""
     n, k = weight.shape[-2:]

@@ -25,7 +25,7 @@ from torch import nn
 
 from ..formats import FP4Tensor
 from .gemms import QuantContext, compute_dtype, fp4_gemms, layer_key, make_call
-from .ops import RecipeSlot, as_recipe, fp4_gemms_op
+from .ops import LayerKeys, RecipeSlot, as_recipe, fp4_gemms_op
 from .recipe import Recipe
 
 __all__ = ["QuantContext", "FP4Linear", "fp4_linear", "grouped_fp4_linear", "fprop_weight", "layer_key", "layer_keys",
@@ -43,7 +43,7 @@ def fprop_weight(weight: torch.Tensor, recipe: Recipe, *, name: str,
 
 def fp4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: Recipe | int, *,
                name: str = "linear", context: QuantContext | None = None,
-               keys: torch.Tensor | None = None) -> torch.Tensor:
+               keys: LayerKeys | None = None) -> torch.Tensor:
     """x: [..., K], weight: [N, K], bias: [N] | None -> [..., N], the three GEMMs per ``recipe``
     (or its nn.ops.register_recipe index: a module's ``recipe_id``). ``keys``: layer_keys(name)
     made once (a module's), so a compiled graph reads no name (below)."""
@@ -68,17 +68,18 @@ def expert_names(name: str, n_experts: int, label: str = "") -> list[str]:
     return [f"{name}.{e}.{label}" if label else f"{name}.{e}" for e in range(n_experts)]
 
 
-def layer_keys(names: list[str]) -> torch.Tensor:
-    """The layers' integer keys as a (CPU, int64) tensor: what a module hands the compiled op. A
-    tensor, not Python ints: dynamo guards a tensor's metadata but a constant's value, so blocks
-    whose forward it compiles as one frame (an MoE block breaks its graph at routing) share one
-    compilation instead of recompiling per layer name."""
-    return torch.tensor([layer_key(n) for n in names], dtype=torch.int64)
+def layer_keys(names: list[str]) -> LayerKeys:
+    """The layers' integer keys: what a module hands the compiled ops. The opaque ops take them as a
+    (CPU, int64) tensor, not Python ints: dynamo guards a tensor's metadata but a constant's value,
+    so blocks whose forward it compiles as one frame (an MoE block breaks its graph at routing)
+    share one compilation instead of recompiling per layer name. The traced ops (nn.ops.traceable)
+    take the ints: their graph draws the layer's seeds by its key, a constant of the graph."""
+    return LayerKeys.of([layer_key(n) for n in names])
 
 
 def grouped_fp4_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int] | torch.Tensor, recipe: Recipe | int, *,
                        name: str, context: QuantContext, label: str = "",
-                       keys: torch.Tensor | None = None) -> torch.Tensor:
+                       keys: LayerKeys | None = None) -> torch.Tensor:
     """x: [S, K] rows sorted by expert (counts[e] each), weight: [E, N, K] -> [S, N]: expert e's
     rows times weight[e]^T under ``recipe``, as fp4_linear(x_e, weight[e], name=f"{name}.{e}.{label}").
     ``keys``: layer_keys of those names, made once (see fp4_linear). ``counts`` as a device tensor

@@ -48,17 +48,41 @@ object in the registry would guard the registry's length, and every frame would 
 whenever another run in the process registered a recipe (the eighth hits dynamo's recompile
 limit, and the frame falls back to eager).
 
+**Traced ops.** An opaque op's body is the eager path's Python, run at every call of the compiled
+model: a compiled FP4 step spent more host time than the eager one. Where a graph can hold a dense
+layer's call (``traceable``: the Triton kernels run, every seed the recipe draws is a SeedTable
+slot, no ``bf16_after``), the layer takes two ``torch.library.triton_op`` instead:
+
+    fp4lab::gemms_traced           (x, weight, bias, layer, recipe, rank, seed_values, seeds, keep_x, keep_w)
+                                   -> as fp4lab::gemms
+    fp4lab::gemms_traced_backward  (dy, x, weight, layer, recipe, rank, seed_values, seeds, need_dx, need_dw,
+                                    x_wgrad, x_wgrad_scale, w_values, w_scale) -> (dx, dw)
+
+Their body is the same (``_forward``, ``_backward_body``), but AOTAutograd traces it: the plans,
+checks and Calls run once, while compiling, and each kernel launch is recorded (kernels.launch:
+``wrap_triton``) for Inductor to make from its generated code. ``layer`` is the layer's key as an
+int (a constant of the graph: the layer's seeds are looked up by it while tracing), and
+``seed_values`` the table's buffer, whose slots the graph reads (nn.seeds.SeedSlots): the
+compiled step reads each tick's seeds. Dense matrices take kernels.matmul's pointer kernel there
+(a host TMA descriptor cannot be recorded). FP4LAB_TRACED=0 keeps every layer on the opaque ops.
+A model compiled in several frames (a graph break in each block) compiles a traced layer's frame
+once per layer key, where the opaque ops' tensor of keys is shared.
+
 Public: ``register_recipe``, ``recipe_index``, ``registered_recipe``, ``as_recipe``, ``RecipeSlot``,
-``fp4_gemms_op``.
+``LayerKeys``, ``traceable``, ``fp4_gemms_op``.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from ..kernels import BlockValues
-from .gemms import (WGRAD_ROW_MULTIPLE, QuantContext, call_at, capturing, gemms_backward, gemms_forward,
-                    keeps_w_values, keeps_x_wgrad, w_values_shape, x_wgrad_operand)
+from .. import kernels
+from ..kernels.host import env
+from .gemms import (WGRAD_ROW_MULTIPLE, Call, QuantContext, call_at, capturing, draws_seeds, gemms_backward,
+                    gemms_forward, keeps_w_values, keeps_x_wgrad, w_values_shape, x_wgrad_operand)
 from .recipe import Recipe
 from .seeds import table_at
 
@@ -129,6 +153,19 @@ class RecipeSlot:
             self.recipe = state["_recipe"] if "_recipe" in state else self.__dict__.pop("recipe")
 
 
+class LayerKeys(NamedTuple):
+    """A module's layers' integer keys (gemms.layer_key), made once, in the two forms the ops take:
+    a CPU int64 tensor for the opaque ops (dynamo guards its metadata, not its values) and the ints
+    for the traced ops (constants of the graph)."""
+
+    tensor: torch.Tensor
+    ints: tuple[int, ...]
+
+    @classmethod
+    def of(cls, keys: list[int]) -> "LayerKeys":
+        return cls(torch.tensor(keys, dtype=torch.int64), tuple(keys))
+
+
 def _calls(layers: torch.Tensor, recipe: int, clock: torch.Tensor, rank: int, seeds: int):
     table = table_at(seeds)
     if table is None and capturing():  # int seeds: a CUDA graph would freeze the first step's
@@ -143,11 +180,16 @@ def _gemms(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, siz
            counts: torch.Tensor | None, layers: torch.Tensor, recipe: int, clock: torch.Tensor, rank: int, seeds: int,
            grouped: bool, keep_x: bool, keep_w: bool
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    r = registered_recipe(recipe)
-    keep, keep_w = keeps_x_wgrad(r, x, grouped, keep_x), keeps_w_values(r, grouped, keep_w)
     calls = _calls(layers, recipe, clock, rank, seeds)
-    y, saved = gemms_forward(x, weight, bias, _sizes_or_counts(sizes, counts), calls, grouped, keep=keep_w,
-                             keep_x=keep)
+    return _forward(x, weight, bias, _sizes_or_counts(sizes, counts), calls, grouped, keep_x, keep_w,
+                    registered_recipe(recipe))
+
+
+def _forward(x, weight, bias, sizes, calls, grouped, keep_x, keep_w, r):
+    """Both forward ops' body under the registered recipe ``r``: gemms_forward, and what it keeps
+    for the backward as tensors."""
+    keep, keep_w = keeps_x_wgrad(r, x, grouped, keep_x), keeps_w_values(r, grouped, keep_w)
+    y, saved = gemms_forward(x, weight, bias, sizes, calls, grouped, keep=keep_w, keep_x=keep)
     w_out = _values_and_scale(saved["w_values"][0]) if keep_w else _none_kept(x)
     if not keep:
         return y, *_none_kept(x), *w_out
@@ -198,13 +240,20 @@ def _gemms_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, siz
                     seeds: int, grouped: bool, need_dx: bool, need_dw: bool, x_wgrad: torch.Tensor,
                     x_wgrad_scale: torch.Tensor, w_values: torch.Tensor, w_scale: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    calls = _calls(layers, recipe, clock, rank, seeds)
+    return _backward_body(dy, x, weight, _sizes_or_counts(sizes, counts), calls, grouped, need_dx, need_dw,
+                          x_wgrad, x_wgrad_scale, w_values, w_scale, registered_recipe(recipe))
+
+
+def _backward_body(dy, x, weight, sizes, calls, grouped, need_dx, need_dw, x_wgrad, x_wgrad_scale, w_values,
+                   w_scale, r):
+    """Both backward ops' body under the registered recipe ``r``: gemms_backward on what the
+    forward op kept."""
     # what the forward op kept: wgrad's copy of x, fprop's weight tiles (None: not kept)
-    r = registered_recipe(recipe)
     xw = _kept(x_wgrad, x_wgrad_scale, x.shape[1], r.wgrad.b.format)
     wv = _kept(w_values, w_scale, weight.shape[1], r.fprop.b.format)
     saved = {"x_wgrad": xw, "w_values": None if wv is None else [wv]}
-    dx, dw = gemms_backward(dy, x, weight, _sizes_or_counts(sizes, counts), _calls(layers, recipe, clock, rank, seeds),
-                            grouped, need_dx=need_dx, need_dw=need_dw, saved=saved)
+    dx, dw = gemms_backward(dy, x, weight, sizes, calls, grouped, need_dx=need_dx, need_dw=need_dw, saved=saved)
     # an op returns tensors, never None: an empty one stands for a gradient not asked for
     return (dx if dx is not None else x.new_empty(0)), (dw if dw is not None else weight.new_empty(0))
 
@@ -245,20 +294,91 @@ def _backward(ctx, dy: torch.Tensor, *unused):
 _gemms.register_autograd(_backward, setup_context=_setup_context)
 
 
+@torch.library.triton_op("fp4lab::gemms_traced", mutates_args=())
+def _gemms_traced(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: int, recipe: int,
+                  rank: int, seed_values: torch.Tensor | None, seeds: int, keep_x: bool, keep_w: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    calls = _traced_calls(layer, recipe, rank, seed_values, seeds)
+    return _forward(x, weight, bias, [x.shape[0]], calls, False, keep_x, keep_w, registered_recipe(recipe))
+
+
+@torch.library.triton_op("fp4lab::gemms_traced_backward", mutates_args=())
+def _gemms_traced_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, layer: int, recipe: int,
+                           rank: int, seed_values: torch.Tensor | None, seeds: int, need_dx: bool, need_dw: bool,
+                           x_wgrad: torch.Tensor, x_wgrad_scale: torch.Tensor, w_values: torch.Tensor,
+                           w_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    calls = _traced_calls(layer, recipe, rank, seed_values, seeds)
+    return _backward_body(dy, x, weight, [x.shape[0]], calls, False, need_dx, need_dw, x_wgrad, x_wgrad_scale,
+                          w_values, w_scale, registered_recipe(recipe))
+
+
+def _traced_calls(layer: int, recipe: int, rank: int, seed_values: torch.Tensor | None, seeds: int) -> list[Call]:
+    """The traced ops' Call: no tick (traceable's rule: every seed it draws is a slot of the table,
+    read from ``seed_values``, the table's buffer as the op was handed it, and no progress decides
+    the recipe)."""
+    table = table_at(seeds)
+    return [call_at(registered_recipe(recipe), layer, 0, 0.0, rank, seeds=None if table is None
+                    else table.reading(seed_values))]
+
+
+def _setup_traced(ctx, inputs, output) -> None:
+    x, weight, bias, layer, recipe, rank, seed_values, seeds, keep_x, keep_w = inputs
+    _, x_wgrad, x_wgrad_scale, w_values, w_scale = output
+    kept = x_wgrad.numel() > 0  # (as _setup_context)
+    ctx.mark_non_differentiable(x_wgrad, x_wgrad_scale, w_values, w_scale)
+    ctx.save_for_backward(x.new_zeros(1) if kept else x, weight, seed_values, x_wgrad, x_wgrad_scale, w_values,
+                          w_scale)
+    ctx.x_shape = tuple(x.shape) if kept else None
+    ctx.args = (layer, recipe, rank)
+    ctx.seeds, ctx.has_bias = seeds, bias is not None
+
+
+def _backward_traced(ctx, dy: torch.Tensor, *unused):
+    x, weight, seed_values, *kept = ctx.saved_tensors
+    if ctx.x_shape is not None:
+        x = x.expand(ctx.x_shape)
+    need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    dx, dw = torch.ops.fp4lab.gemms_traced_backward(dy, x, weight, *ctx.args, seed_values, ctx.seeds, need_dx,
+                                                    need_dw, *kept)
+    db = dy.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+    return (dx if need_dx else None), (dw if need_dw else None), db, *[None] * 7
+
+
+_gemms_traced.register_autograd(_backward_traced, setup_context=_setup_traced)
+
+
+@torch.compiler.assume_constant_result  # (a constant of the graph: dynamo reads no registry to decide it)
+def traceable(recipe: int, table: bool, device: str) -> bool:
+    """Whether a dense layer's GEMMs under the registered ``recipe`` go through the traced ops,
+    whose launches Inductor makes itself: the Triton kernels run them (CUDA, not the interpreter),
+    every seed the recipe draws comes from a SeedTable (``table``; a traced graph would freeze an
+    int seed) and no ``bf16_after`` switches it with the progress (a traced graph holds the
+    recipe). FP4LAB_TRACED=0 keeps every layer on the opaque ops."""
+    r = registered_recipe(recipe)
+    return (device == "cuda" and kernels.uses_triton(torch.device(device)) and env("TRITON_INTERPRET") != "1"
+            and env("FP4LAB_TRACED", "1").lower() not in ("0", "false", "off", "no")
+            and r.bf16_after is None and (table or not draws_seeds(r)))
+
+
 def fp4_gemms_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int] | torch.Tensor,
-                 layers: torch.Tensor | list[int], recipe: Recipe | int, context: QuantContext, *,
+                 layers: LayerKeys | list[int], recipe: Recipe | int, context: QuantContext, *,
                  grouped: bool) -> torch.Tensor:
-    """gemms.fp4_gemms through the custom ops: the layers given by key (a CPU int64 tensor, or
-    ints folded into one), at the context's clock; ``sizes`` as host ints or, for a grouped call,
-    a device tensor of counts (passed on as ``counts``); ``recipe`` or its registered index (a
-    module's ``recipe_id``: no scan of the registry, see RecipeSlot)."""
-    if not isinstance(layers, torch.Tensor):
-        layers = torch.tensor(list(layers), dtype=torch.int64)
+    """gemms.fp4_gemms through the custom ops (the traced ones where ``traceable`` says, with static
+    shapes): the layers given by key (a module's LayerKeys, or ints), at the context's clock;
+    ``sizes`` as host ints or, for a grouped call, a device tensor of counts (passed on as
+    ``counts``); ``recipe`` or its registered index (a module's ``recipe_id``: no scan of the
+    registry, see RecipeSlot)."""
+    keys, ints = layers if isinstance(layers, LayerKeys) else (None, tuple(layers))
     seeds = -1 if context.seeds is None else context.seeds.index
-    counts, sizes = (sizes, []) if isinstance(sizes, torch.Tensor) else (None, list(sizes))
     index = recipe if isinstance(recipe, int) else recipe_index(recipe)
     # what backward will ask for (the eager path's rule): dW (keep wgrad's x), dx (keep fprop's weight tiles)
     keep_x = torch.is_grad_enabled() and weight.requires_grad
     keep_w = torch.is_grad_enabled() and x.requires_grad
-    return _gemms(x, weight, bias, sizes, counts, layers, index, context.clock, context.rank, seeds, grouped,
+    if (not grouped and all(type(n) is int for n in (*x.shape, *weight.shape))  # (static shapes: plans)
+            and traceable(index, seeds >= 0, x.device.type)):
+        values = None if context.seeds is None else context.seeds.values
+        return _gemms_traced(x, weight, bias, ints[0], index, context.rank, values, seeds, keep_x, keep_w)[0]
+    keys = keys if keys is not None else torch.tensor(list(ints), dtype=torch.int64)
+    counts, sizes = (sizes, []) if isinstance(sizes, torch.Tensor) else (None, list(sizes))
+    return _gemms(x, weight, bias, sizes, counts, keys, index, context.clock, context.rank, seeds, grouped,
                   keep_x, keep_w)[0]

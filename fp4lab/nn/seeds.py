@@ -13,13 +13,22 @@ A slot is made the first time a (recipe seed, layer, rank, gemm, side) is drawn,
 the current tick; a graph must therefore be captured after a step has run eagerly (the warm-up
 CUDA graph capture asks for anyway), and a slot first drawn while capturing is refused.
 
-Public: ``SeedTable``, ``table_at``.
+Traced (a compiled model's traced ops, nn.ops): the op takes the table's buffer as an input and
+reads its slots as views of it (``SeedTable.reading``), so the compiled graph reads each step's
+values; a slot first drawn while tracing is written into the buffer for real, and a table that
+would have to grow while tracing is refused (the graph would read the old buffer).
+
+Public: ``SeedTable``, ``SeedSlots``, ``table_at``.
 """
 
 from __future__ import annotations
 
-import torch
+import contextlib
 
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+from ..kernels.host import tracing
 from .quant import derive_seeds
 
 
@@ -46,20 +55,35 @@ class SeedTable:
 
     def seed(self, recipe_seed: int, layer: int, rank: int, gemm: int, side: int) -> torch.Tensor:
         """The slot of this seed: a one-element view of the buffer holding its value at the tick."""
+        i = self.slot(recipe_seed, layer, rank, gemm, side)
+        return self.values[i: i + 1]
+
+    def slot(self, recipe_seed: int, layer: int, rank: int, gemm: int, side: int) -> int:
+        """The index of this seed's slot, made on first sight with its value at the tick."""
         spec = (recipe_seed, layer, rank, gemm, side)
         i = self._index.get(spec)
-        if i is None:
-            if self.values.is_cuda and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError("a seed first drawn while a CUDA graph is captured would be written inside "
-                                   "the graph: run the step once before capturing it")
-            if len(self.specs) == len(self.values):  # (an MoE draws a slot per expert): twice the room.
-                # A graph captured before this reads the old buffer, which fill no longer writes:
-                # capture after every slot is drawn (GraphedStep's eager warm-up steps draw them)
-                self.values = torch.cat([self.values, torch.zeros_like(self.values)])
-            i = self._index[spec] = len(self.specs)
-            self.specs.append(spec)
+        if i is not None:
+            return i
+        if self.values.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("a seed first drawn while a CUDA graph is captured would be written inside "
+                               "the graph: run the step once before capturing it")
+        traced = tracing()
+        if len(self.specs) == len(self.values):  # (an MoE draws a slot per expert): twice the room.
+            # A graph captured before this reads the old buffer, which fill no longer writes:
+            # capture after every slot is drawn (GraphedStep's eager warm-up steps draw them)
+            if traced:
+                raise RuntimeError(f"the SeedTable's {len(self.values)} slots ran out while torch.compile traced the "
+                                   "model, whose graph would read the old buffer: give the table a larger capacity")
+            self.values = torch.cat([self.values, torch.zeros_like(self.values)])
+        i = self._index[spec] = len(self.specs)
+        self.specs.append(spec)
+        with _disable_current_modes() if traced else contextlib.nullcontext():  # (written now, not traced)
             self.values[i] = _values([spec], self.tick)[0]
-        return self.values[i: i + 1]
+        return i
+
+    def reading(self, values: torch.Tensor) -> "SeedSlots":
+        """The table's slots read as views of ``values``: its buffer as a traced op was handed it."""
+        return SeedSlots(self, values)
 
     def fill(self, tick: int) -> None:
         """Every slot's value at ``tick``, written in one copy (stream-ordered: launches queued
@@ -68,6 +92,19 @@ class SeedTable:
         if self.specs:
             new = torch.tensor(_values(self.specs, tick), dtype=torch.int64)
             self.values[: len(new)].copy_(new.pin_memory() if self.values.is_cuda else new, non_blocking=True)
+
+
+class SeedSlots:
+    """A SeedTable's slots as views of the buffer a traced op received (SeedTable.reading): what
+    nn.gemms.Call draws from in place of the table, the same slots."""
+
+    def __init__(self, table: SeedTable, values: torch.Tensor) -> None:
+        self.table, self.values = table, values
+
+    def seed(self, recipe_seed: int, layer: int, rank: int, gemm: int, side: int) -> torch.Tensor:
+        """SeedTable.seed, a view of the buffer handed over."""
+        i = self.table.slot(recipe_seed, layer, rank, gemm, side)
+        return self.values[i: i + 1]
 
 
 def _values(specs: list[tuple[int, int, int, int, int]], tick: int) -> list[int]:

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ..nn import GPT, ModelConfig, QuantContext, Recipe, load_recipe, model_config, quantize_model
+from ..nn.seeds import SeedTable
 from .config import TrainConfig
 from .corpus import CORPORA, TEXT_SUFFIXES, default_dataset, text_dataset
 from .data import TokenStream, dataset_meta, load_tokens
@@ -170,6 +171,10 @@ def setup(cfg: TrainConfig) -> Run:
         # past which a frame runs eager, a graphed step's capture included
         torch.compiler.reset()
         runner = torch.compile(runner)
+        if device.type == "cuda" and context.seeds is None:
+            # the step's seeds in device memory: Inductor then launches the FP4 kernels itself
+            # (nn.ops.traceable), where int seeds keep the layers on the opaque ops; the same bits
+            context.seeds = SeedTable(device)
     # what a checkpoint must match to be resumed; steps stays in: another budget is another schedule.
     # parallel is out (TrainConfig.identity): DDP and FSDP checkpoints are the same files (train.parallel)
     identity = {"config": cfg.identity(), "model": mcfg.to_dict(), "recipe": recipe.to_dict(), "data": data.identity,

@@ -1,0 +1,130 @@
+"""Trace the traced ops of nn.ops as torch.compile's AOTAutograd would, on a machine without a GPU.
+
+Run by tests/nn/test_traced.py in a subprocess (Triton's interpreter must be off at import, so the
+kernels are Triton's own JIT functions). The tensors are a fake mode's, so nothing has memory and
+nothing runs: what is checked is the graph Inductor would get. Where the GPU's answers are asked
+for (the device's SM count, the backend rule, Triton's target for its analysis of each kernel's
+writes) this script gives an H100's. For every recipe given: the forward and the backward op each
+trace (no memory read, no host value asked of a tensor) into launches of fp4lab's kernels; no
+launch writes a graph input (torch's analysis of the kernel counts only its outputs as written,
+so Inductor copies nothing in); a recipe that draws seeds reads
+them as slices of the table's buffer, handed in as an input.
+
+    python tests/nn/trace_ops.py nvfp4 nvfp4_plain nvfp4:wgrad.hadamard=random   # one line a recipe
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+import torch  # noqa: E402
+from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
+from torch._subclasses.functional_tensor import dispatch_functionalize  # noqa: E402
+from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.runtime import driver  # noqa: E402
+
+import fp4lab.kernels as kernels  # noqa: E402
+from fp4lab.kernels import host  # noqa: E402
+from fp4lab.nn import ops  # noqa: E402
+from fp4lab.nn.recipe import preset  # noqa: E402
+from fp4lab.nn.seeds import SeedTable  # noqa: E402
+
+
+class _Hopper:
+    """Triton's active driver as far as torch's analysis asks it: an sm_90 target."""
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self):
+        return 0
+
+
+def _as_gpu() -> None:
+    driver.set_active(_Hopper())
+    host._sm_count = lambda index: 132
+    kernels._backend_rule = lambda backend, device_type, interpreted: (True, None)  # (fake CPU tensors: "CUDA")
+
+
+_VIEWS = {"view", "select", "slice", "permute", "t", "transpose", "expand", "alias", "as_strided", "reshape",
+          "unsqueeze", "squeeze", "_unsafe_view"}
+
+
+def _root(node):
+    """The node a view chain starts from."""
+    while node.op == "call_function" and getattr(node.target, "__name__", "").split(".")[0] in _VIEWS:
+        node = node.args[0]
+    return node
+
+
+def _check(gm, what: str) -> int:
+    """-> the graph's launches, after asserting none writes an input (which Inductor would copy first)."""
+    launches = 0
+    for node in gm.graph.nodes:
+        name = getattr(node.target, "__name__", str(node.target))
+        if "triton_kernel_wrapper" not in name:
+            continue
+        launches += 1
+        args = node.kwargs["kwargs"]
+        for written in node.kwargs["tensors_to_clone"]:
+            root = _root(args[written])
+            assert root.op != "placeholder", f"{what}: launch {launches} writes its input {written} ({root.name})"
+    assert launches, f"{what}: no launch recorded"
+    return launches
+
+
+def _value(text: str):
+    if text in ("true", "false"):
+        return text == "true"
+    try:
+        return int(text) if text.isdigit() else float(text)
+    except ValueError:
+        return text
+
+
+def _placeholders(gm) -> list:
+    return [n for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def trace(recipe_name: str) -> str:
+    name, _, changes = recipe_name.partition(":")  # e.g. nvfp4:fprop.b.dither=0.5,dgrad.b.dither=0.5
+    recipe = preset(name)
+    if changes:
+        recipe = recipe.override({k: _value(v) for k, v in (c.split("=") for c in changes.split(","))})
+    index = ops.register_recipe(recipe)
+    table = SeedTable("cpu", capacity=64)
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    with fake:
+        x = torch.randn(256, 128, dtype=torch.bfloat16)
+        w = torch.randn(1, 192, 128, dtype=torch.bfloat16)
+        dy = torch.randn(256, 192, dtype=torch.bfloat16)
+        seeds = torch.zeros(64, dtype=torch.int64)
+    assert ops.traceable(index, True, "cuda"), recipe_name
+
+    def forward(x, w, seeds):
+        return torch.ops.fp4lab.gemms_traced(x, w, None, 1234, index, 0, seeds, table.index, True, True)
+
+    def backward(dy, x, w, seeds, *kept):
+        return torch.ops.fp4lab.gemms_traced_backward(dy, x, w, 1234, index, 0, seeds, table.index, True, True, *kept)
+
+    fwd = make_fx(dispatch_functionalize(forward))(x, w, seeds)
+    with fake:
+        kept = forward(x, w, seeds)[1:]
+    bwd = make_fx(dispatch_functionalize(backward))(dy, x, w, seeds, *kept)
+    counts = _check(fwd, f"{recipe_name} forward"), _check(bwd, f"{recipe_name} backward")
+    slices = [n for g, at in ((fwd, 2), (bwd, 3)) for n in g.graph.nodes if n.op == "call_function"
+              and getattr(n.target, "__name__", "").startswith("slice") and _root(n) is _placeholders(g)[at]]
+    drawn = len(table.specs)
+    assert bool(drawn) == bool(slices), f"{recipe_name}: {drawn} slots drawn, {len(slices)} read from the input"
+    assert drawn == 0 or table.values[:drawn].ne(0).all(), f"{recipe_name}: a slot drawn while tracing was not written"
+    return f"{recipe_name}: forward {counts[0]} launches, backward {counts[1]}, {drawn} seed slots"
+
+
+if __name__ == "__main__":
+    _as_gpu()
+    for name in sys.argv[1:]:
+        print(trace(name), flush=True)
