@@ -175,8 +175,10 @@ def _table_on(name: str, device: torch.device) -> torch.Tensor:
 
 
 def _lookup(name: str, codes: torch.Tensor) -> torch.Tensor:
-    # a fake tensor (tracing, export) gets its own copy: the cache must hold only real tensors
-    table = _host_table(name).to(codes.device) if detect_fake_mode((codes,)) else _table_on(name, codes.device)
+    # a fake tensor (tracing, export) gets its own copy, made from the values (a constant of the
+    # graph: a tracer takes no real tensor in): the cache must hold only real tensors
+    table = (torch.tensor(_host_table(name).tolist(), dtype=torch.float32, device=codes.device)
+             if detect_fake_mode((codes,)) else _table_on(name, codes.device))
     return torch.take(table, codes.to(torch.int64))  # a copy always: a 0-dim index would alias the table
 
 

@@ -51,10 +51,15 @@ def e4m3_instructions() -> bool:
     """Whether this compile's target converts E4M3 in hardware: compiled (HARDWARE_CONVERT) for
     NVIDIA sm_89 or later (Ada, Hopper, Blackwell; PTX 7.8's cvt e4m3x2). Older GPUs and other
     backends take the integer forms. No active driver (an offline compile on a machine without a
-    GPU, e.g. tests/kernels/hopper_compile.py for sm_90) counts as a target that has them."""
+    GPU, e.g. tests/kernels/hopper_compile.py for sm_90) counts as a target that has them. A
+    driver that cannot say (Inductor's compile workers, forked, cannot initialize CUDA: a traced
+    op's kernels, nn.ops) counts as one without: the integer forms, the same bytes."""
     if not HARDWARE_CONVERT.value:
         return False
-    target = current_target()
+    try:
+        target = current_target()
+    except RuntimeError:
+        return False
     return target is None or (target.backend == "cuda" and target.arch >= 89)
 
 

@@ -21,7 +21,6 @@ import sys
 os.environ.pop("TRITON_INTERPRET", None)
 
 import torch  # noqa: E402
-from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 from torch._subclasses.functional_tensor import dispatch_functionalize  # noqa: E402
 from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
@@ -97,12 +96,10 @@ def trace(recipe_name: str) -> str:
         recipe = recipe.override({k: _value(v) for k, v in (c.split("=") for c in changes.split(","))})
     index = ops.register_recipe(recipe)
     table = SeedTable("cpu", capacity=64)
-    fake = FakeTensorMode(allow_non_fake_inputs=True)
-    with fake:
-        x = torch.randn(256, 128, dtype=torch.bfloat16)
-        w = torch.randn(1, 192, 128, dtype=torch.bfloat16)
-        dy = torch.randn(256, 192, dtype=torch.bfloat16)
-        seeds = torch.zeros(64, dtype=torch.int64)
+    # (make_fx swaps these for its fake mode's tensors: nothing below reads them)
+    x, w, dy = torch.zeros(256, 128), torch.zeros(1, 192, 128), torch.zeros(256, 192)
+    x, w, dy = x.bfloat16(), w.bfloat16(), dy.bfloat16()
+    seeds = torch.zeros(64, dtype=torch.int64)
     assert ops.traceable(index, True, "cuda"), recipe_name
 
     def forward(x, w, seeds):
@@ -111,10 +108,10 @@ def trace(recipe_name: str) -> str:
     def backward(dy, x, w, seeds, *kept):
         return torch.ops.fp4lab.gemms_traced_backward(dy, x, w, 1234, index, 0, seeds, table.index, True, True, *kept)
 
-    fwd = make_fx(dispatch_functionalize(forward))(x, w, seeds)
-    with fake:
-        kept = forward(x, w, seeds)[1:]
-    bwd = make_fx(dispatch_functionalize(backward))(dy, x, w, seeds, *kept)
+    fwd = make_fx(dispatch_functionalize(forward), tracing_mode="fake")(x, w, seeds)
+    outputs = next(n for n in fwd.graph.nodes if n.op == "output").args[0]
+    kept = [torch.zeros(o.meta["val"].shape, dtype=o.meta["val"].dtype) for o in outputs[1:]]  # (their shapes)
+    bwd = make_fx(dispatch_functionalize(backward), tracing_mode="fake")(dy, x, w, seeds, *kept)
     counts = _check(fwd, f"{recipe_name} forward"), _check(bwd, f"{recipe_name} backward")
     slices = [n for g, at in ((fwd, 2), (bwd, 3)) for n in g.graph.nodes if n.op == "call_function"
               and getattr(n.target, "__name__", "").startswith("slice") and _root(n) is _placeholders(g)[at]]
