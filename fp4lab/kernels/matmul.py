@@ -228,15 +228,25 @@ def _scaled_mm_tma_kernel(a_desc, b_desc, c_ptr, alpha_ptr, beta_ptr, tile_group
 
 @cached  # (launched through kernels.launch)
 @triton.jit
-def _scaled_mm_persistent_kernel(a_desc, b_desc, c_ptr, alpha_ptr, beta_ptr, M, N, K, s_cm, s_cn, programs,
+def _scaled_mm_persistent_kernel(a_desc, b_desc, c_ptr, alpha_ptr, beta_ptr, M, N, K, s_cm, s_cn, programs, s_a, s_b,
                                  B_KN: tl.constexpr, BF16_OUT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                                 BK: tl.constexpr, GROUP_M: tl.constexpr, ALPHA: tl.constexpr):
+                                 BK: tl.constexpr, GROUP_M: tl.constexpr, ALPHA: tl.constexpr,
+                                 DEVICE_DESC: tl.constexpr = False):
     """The dense TMA GEMM as a persistent kernel: ``programs`` programs (one an SM, at most one a
     tile; a run-time number, so a new output size does not compile again) walk the output
     tiles in _dense_tile's order, one K loop after another flattened into a single pipelined loop, so
     the loads of a program's next tile are in flight while it scales and stores the last (a short
     contraction, K = 768, spends a third of a tile's time outside its K loop). Each output element
-    is summed as _scaled_mm_tma_kernel sums it (the same K steps): the same bits."""
+    is summed as _scaled_mm_tma_kernel sums it (the same K steps): the same bits. With DEVICE_DESC
+    (a traced launch, whose host descriptors torch cannot record: kernels.launch) a_desc and b_desc
+    are the matrices' base pointers, their rows s_a and s_b elements apart, and the kernel makes the
+    same descriptors itself (the tiles, and zeros past the edges, as the host's)."""
+    if DEVICE_DESC:
+        a_desc = tl.make_tensor_descriptor(a_desc, shape=[M, K], strides=[s_a, 1], block_shape=[BM, BK])
+        if B_KN:
+            b_desc = tl.make_tensor_descriptor(b_desc, shape=[K, N], strides=[s_b, 1], block_shape=[BK, BN])
+        else:
+            b_desc = tl.make_tensor_descriptor(b_desc, shape=[N, K], strides=[s_b, 1], block_shape=[BN, BK])
     tiles_n = tl.cdiv(N, BN)
     tiles = tl.cdiv(M, BM) * tiles_n
     k_steps = tl.cdiv(K, BK)
@@ -416,6 +426,8 @@ class _DensePlan:
             stages = max(1, min(stages, (_SHARED_BYTES - epilogue) // ((bm + bn) * bk * a.element_size())))
             self.tma = _scaled_mm_persistent_kernel.bind(B_KN=self.b_kn, BM=bm, BN=bn, BK=bk, num_warps=warps,
                                                           num_stages=stages, **kw)
+            self.traced = _scaled_mm_persistent_kernel.bind(B_KN=self.b_kn, BM=bm, BN=bn, BK=bk, num_warps=warps,
+                                                             num_stages=stages, DEVICE_DESC=True, **kw)
             self.tma_grid = (programs,)  # (the kernel takes its program count too)
         else:
             self.tma = _scaled_mm_tma_kernel.bind(GROUPED=False, B_KN=self.b_kn, BM=bm, BN=bn, BK=bk, num_warps=warps,
@@ -427,14 +439,22 @@ class _DensePlan:
     def launch(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, alpha: torch.Tensor,
                beta: torch.Tensor) -> None:
         m, n, k = self.mnk
-        # (traced: no address to read, and a host descriptor cannot be recorded; kernels.launch)
-        if self.tma is not None and not tracing() and a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0:
+        if self.tma is not None and tracing():
+            # no address to read, and a host descriptor cannot be recorded (kernels.launch): the
+            # persistent kernel makes its descriptors itself, where the operands start 16-byte
+            # aligned in their allocations (which Inductor aligns); else the pointer kernel
+            if self.persistent and (a.storage_offset() * a.element_size()) % 16 == 0 and (
+                    b.storage_offset() * b.element_size()) % 16 == 0:
+                self.traced[self.tma_grid](a, b, out, alpha, beta, m, n, k, out.stride(0), out.stride(1),
+                                           self.tma_grid[0], a.stride(0), b.stride(1 if self.b_kn else 0))
+                return
+        elif self.tma is not None and a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0:
             descriptor = _tma_descriptor()
             a_desc = descriptor.from_tensor(a, self.blocks[0])
             b_desc = descriptor.from_tensor(b.t() if self.b_kn else b, self.blocks[1])
             if self.persistent:
                 self.tma[self.tma_grid](a_desc, b_desc, out, alpha, beta, m, n, k, out.stride(0), out.stride(1),
-                                        self.tma_grid[0])
+                                        self.tma_grid[0], a.stride(0), b.stride(1 if self.b_kn else 0))
             else:
                 self.tma[self.tma_grid](a_desc, b_desc, out, alpha, beta, a, a, a, m, n, k, out.stride(0),
                                         out.stride(1), 0, 0)

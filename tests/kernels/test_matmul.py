@@ -354,21 +354,25 @@ def test_the_persistent_kernel_gives_the_tiled_kernels_bits(m, n, k, b_layout, m
 @pytest.mark.parametrize("m,n,k", [(50, 72, 40), (16, 16, 16), (200, 36, 20)])
 @pytest.mark.parametrize("programs", [1, 3, 5])
 @pytest.mark.parametrize("b_kn", [False, True])
-def test_the_persistent_loop_visits_every_tile_once(m, n, k, programs, b_kn):
+@pytest.mark.parametrize("device_desc", [False, True])
+def test_the_persistent_loop_visits_every_tile_once(m, n, k, programs, b_kn, device_desc):
     """The flattened loop's bookkeeping (a program's next tile every K steps, ragged M and N, a K
     that is no multiple of BK, fewer programs than tiles), run by the interpreter on small tiles
-    through host tensor descriptors: small integers, so every product and sum is exact."""
+    through host tensor descriptors, or (DEVICE_DESC, a traced launch's) descriptors the kernel
+    makes from the matrices: small integers, so every product and sum is exact."""
     from triton.tools.tensor_descriptor import TensorDescriptor
     g = torch.Generator().manual_seed(m + n + k)
     a = torch.randint(-3, 4, (m, k), generator=g).float()
     b = torch.randint(-3, 4, (n, k), generator=g).float()
     out = torch.full((m, n), float("nan"))
     programs = min(programs, triton.cdiv(m, 16) * triton.cdiv(n, 32))
-    b_desc = (TensorDescriptor.from_tensor(b.T.contiguous(), [16, 32]) if b_kn
-              else TensorDescriptor.from_tensor(b, [32, 16]))
+    b_mat = b.T.contiguous() if b_kn else b
+    a_arg, b_arg = (a, b_mat) if device_desc else (
+        TensorDescriptor.from_tensor(a, [16, 16]), TensorDescriptor.from_tensor(b_mat, [16, 32] if b_kn else [32, 16]))
     matmul._scaled_mm_persistent_kernel[(programs,)](
-        TensorDescriptor.from_tensor(a, [16, 16]), b_desc, out, torch.tensor([0.5]), torch.tensor([0.25]), m, n, k,
-        out.stride(0), out.stride(1), programs, B_KN=b_kn, BF16_OUT=False, BM=16, BN=32, BK=16, GROUP_M=2, ALPHA=2)
+        a_arg, b_arg, out, torch.tensor([0.5]), torch.tensor([0.25]), m, n, k, out.stride(0), out.stride(1),
+        programs, a.stride(0), b_mat.stride(0), B_KN=b_kn, BF16_OUT=False, BM=16, BN=32, BK=16, GROUP_M=2, ALPHA=2,
+        DEVICE_DESC=device_desc)
     assert torch.equal(out, (a @ b.T) * 0.125)
 
 
