@@ -93,7 +93,8 @@ class TrainConfig:
     that serves every step without recompiling. An MoE model is one graph too where its experts keep
     the routing's counts on the device (BF16 experts on torch._grouped_mm; FP4 experts in a
     graphed run, under a recipe nn.gemms.counts_stay_on_device admits); elsewhere reading the
-    counts on the host breaks the graph at each MoE block."""
+    counts on the host breaks the graph at each MoE block. On CUDA the run's seeds go in a SeedTable,
+    so a dense FP4 layer takes the traced ops, whose kernel launches Inductor makes (nn.ops)."""
     cuda_graph: bool = False
     """Replay each step's forward and backward from one CUDA graph (train.graphed), the step's seeds
     read from device memory (nn.seeds); clipping, the divergence check and the optimizers stay
