@@ -7,7 +7,8 @@ for (the device's SM count, the backend rule, Triton's target for its analysis o
 writes) this script gives an H100's. For every recipe given: the forward and the backward op each
 trace (no memory read, no host value asked of a tensor) into launches of fp4lab's kernels; no
 launch writes a graph input (torch's analysis of the kernel counts only its outputs as written,
-so Inductor copies nothing in); a recipe that draws seeds reads
+so Inductor copies nothing in); every GEMM is the persistent kernel making its TMA descriptors on
+the device (a host descriptor cannot be recorded); a recipe that draws seeds reads
 them as slices of the table's buffer, handed in as an input.
 
     python tests/nn/trace_ops.py nvfp4 nvfp4_plain nvfp4:wgrad.hadamard=random   # one line a recipe
@@ -27,6 +28,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime import driver  # noqa: E402
 
 import fp4lab.kernels as kernels  # noqa: E402
+from fp4lab.kernels import matmul  # noqa: E402
 from fp4lab.kernels import host  # noqa: E402
 from fp4lab.nn import ops  # noqa: E402
 from fp4lab.nn.recipe import preset  # noqa: E402
@@ -47,6 +49,20 @@ def _as_gpu() -> None:
     driver.set_active(_Hopper())
     host._sm_count = lambda index: 132
     kernels._backend_rule = lambda backend, device_type, interpreted: (True, None)  # (fake CPU tensors: "CUDA")
+    rows_ok = matmul._tma_reads_rows
+    matmul._tma_reads_rows = lambda a: rows_ok(a) or (a.stride(1) == 1 and (a.stride(0) * 2) % 16 == 0)
+
+
+def _kernel_names(gm) -> list[str]:
+    """The kernels a traced graph launches, in order, with DEVICE_DESC marked."""
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+    names = []
+    for node in gm.graph.nodes:
+        if "triton_kernel_wrapper" in getattr(node.target, "__name__", str(node.target)):
+            kernel = kernel_side_table.get_kernel(node.kwargs["kernel_idx"])
+            kernel = getattr(kernel, "fn", kernel)  # (an autotuner holding the launch options)
+            names.append(kernel.__name__ + ("[device descriptors]" if node.kwargs["kwargs"].get("DEVICE_DESC") else ""))
+    return names
 
 
 _VIEWS = {"view", "select", "slice", "permute", "t", "transpose", "expand", "alias", "as_strided", "reshape",
@@ -113,6 +129,9 @@ def trace(recipe_name: str) -> str:
     kept = [torch.zeros(o.meta["val"].shape, dtype=o.meta["val"].dtype) for o in outputs[1:]]  # (their shapes)
     bwd = make_fx(dispatch_functionalize(backward), tracing_mode="fake")(dy, x, w, seeds, *kept)
     counts = _check(fwd, f"{recipe_name} forward"), _check(bwd, f"{recipe_name} backward")
+    gemms = [k for g in (fwd, bwd) for k in _kernel_names(g) if k.startswith("_scaled_mm")]
+    # (every operand here is TMA-readable: the persistent kernel, its descriptors made on the device)
+    assert all(k == "_scaled_mm_persistent_kernel[device descriptors]" for k in gemms), (recipe_name, gemms)
     slices = [n for g, at in ((fwd, 2), (bwd, 3)) for n in g.graph.nodes if n.op == "call_function"
               and getattr(n.target, "__name__", "").startswith("slice") and _root(n) is _placeholders(g)[at]]
     drawn = len(table.specs)
