@@ -35,8 +35,9 @@ def one_copy_at_a_time(active: bool = True):
 
 def opaque_ops(active: bool = True):
     """While active, a compiled model's FP4 layers take the opaque custom ops, whose Python body runs
-    at every call (FP4LAB_TRACED=0: nn.ops.traceable), not the traced ones Inductor launches: the
-    compiled step as it ran before them. A compiled graph keeps the choice made when it was traced."""
+    at every call (FP4LAB_TRACED=0: nn.ops.traceable), not the traced ones Inductor launches; all
+    else as the traced arm (its SeedTable too). A compiled graph keeps the choice made when it was
+    traced."""
     return switched("FP4LAB_TRACED", "0", active)
 
 

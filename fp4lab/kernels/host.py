@@ -57,9 +57,9 @@ def zeroed_int32(n: int, device: torch.device) -> torch.Tensor:
     alive, and a pool made under inference mode hands out inference tensors): the public amax
     functions return buffers of their own. Not for code whose allocations a CUDA-graph manager
     routes to its private pool outside capture (torch.compile's "reduce-overhead" warm-up): a
-    pool made there is that pool's memory, which the manager may reclaim; fp4lab's custom ops
-    take CPU tensors, so Inductor does not graph them. While a tracer runs (``tracing``), torch.zeros:
-    the traced graph zeroes its own buffer at every run."""
+    pool made there is that pool's memory, which the manager may reclaim; fp4lab's opaque custom
+    ops take CPU tensors, so Inductor does not graph them. While a tracer runs (``tracing``: the
+    traced ops), torch.zeros: the traced graph zeroes its own buffer at every run."""
     if device.type != "cuda" or n > _POOL_SLOTS or torch.cuda.is_current_stream_capturing() or tracing():
         return torch.zeros(n, dtype=torch.int32, device=device)
     index = device.index if device.index is not None else torch.cuda.current_device()

@@ -30,7 +30,8 @@ through Triton's path once).
 Traced: where torch.compile traces a call (a traced op of nn.ops: its tensors are a tracer's, with
 no memory), a launch is recorded with ``torch.library.wrap_triton`` instead, and Inductor's
 generated code makes it at run time, with its own launcher. A host TMA descriptor cannot be
-recorded (torch does not capture one outside dynamo): kernels.matmul takes its pointer kernel there.
+recorded (torch does not capture one outside dynamo): kernels.matmul's persistent GEMM makes its
+descriptors on the device there.
 
 Public: ``cached``.
 """

@@ -27,8 +27,10 @@ the tiles past the live ones get an empty row range and their programs do no wor
 ``contraction_grouped_mm`` takes its widths either way too.
 
 On CUDA the tiles come through TMA descriptors (``_scaled_mm_tma_kernel``) where the
-operands' layout allows, else through pointers (``_scaled_mm_kernel``, also the interpreter's path
-and a traced call's: kernels.launch).
+operands' layout allows, else through pointers (``_scaled_mm_kernel``, also the interpreter's path).
+A traced call (kernels.launch: a host descriptor cannot be recorded) takes the persistent kernel
+with descriptors it makes on the device, where each operand starts 16-byte aligned in its
+allocation (fp4lab's own outputs, and Inductor aligns its buffers), else the pointer kernel.
 Under TRITON_INTERPRET=1 the dot multiplies exact fp32 copies (the interpreter's bf16 dot
 multiplies raw bit patterns); the result is the same function up to fp32 summation order.
 

@@ -93,6 +93,12 @@ class QuantContext:
     """Where the dense layers' kernels read their seeds (nn.seeds): with a table, every seed of a
     step is a slot of one device buffer that setting ``tick`` refills, so a CUDA graph of the step
     replays with each step's own bits; None: seeds are kernel arguments."""
+    traced_ops: bool = field(default=True, repr=False, compare=False)
+    """Compiled, whether dense FP4 layers may take the traced ops, whose kernel launches Inductor
+    makes (nn.ops.traceable says where they can). nn.swap.quantize_model sets it False for a model
+    with grouped experts: its compiled forward may break into a frame per block (routing read on
+    the host), and a traced layer drawing seeds is compiled per layer key, so past dynamo's
+    recompile limit the later blocks would run eagerly; the opaque ops share one compilation."""
     clock: torch.Tensor = field(init=False, repr=False, compare=False)
     """[tick, progress] as a float64 CPU tensor, kept equal to the two fields: what the custom ops
     read, so a compiled model sees a tensor that changes rather than Python numbers to guard on
@@ -226,6 +232,22 @@ def _weight_tiles_shared(recipe: Recipe) -> bool:
     f, d = recipe.fprop, recipe.dgrad
     return (f.b == d.b and f.b.block2d and f.b.rounding is Rounding.RTNE and not f.rotated and not d.rotated
             and d.a.quantized)
+
+
+@recipe_rule
+def kernels_only(recipe: Recipe) -> bool:
+    """Whether every GEMM of ``recipe`` is an FP4 x FP4 product whose operands fp4lab's kernels make
+    alone: both sides quantized, no dither, any rotation fused into the quantize. A traced op's
+    body (nn.ops) then holds no torch arithmetic for Inductor to lower its own way (a BF16 matmul,
+    a dither's or an unfused rotation's float math, which it may fuse and round differently), so
+    its bits are the eager path's."""
+    for g in GEMMS:
+        spec = recipe.gemm(g)
+        rotation = rotation_for(spec, recipe.seed, 0)
+        for op in (spec.a, spec.b):
+            if not op.quantized or op.dither or (rotation is not None and not fuses_rotation(op, rotation)):
+                return False
+    return True
 
 
 @recipe_rule

@@ -51,7 +51,8 @@ limit, and the frame falls back to eager).
 **Traced ops.** An opaque op's body is the eager path's Python, run at every call of the compiled
 model: a compiled FP4 step spent more host time than the eager one. Where a graph can hold a dense
 layer's call (``traceable``: the Triton kernels run, every seed the recipe draws is a SeedTable
-slot, no ``bf16_after``), the layer takes two ``torch.library.triton_op`` instead:
+slot, no ``bf16_after``, every GEMM fp4lab's kernels alone; and the context's ``traced_ops``), the
+layer takes two ``torch.library.triton_op`` instead:
 
     fp4lab::gemms_traced           (x, weight, bias, layer, recipe, rank, seed_values, seeds, keep_x, keep_w)
                                    -> as fp4lab::gemms
@@ -61,12 +62,15 @@ slot, no ``bf16_after``), the layer takes two ``torch.library.triton_op`` instea
 Their body is the same (``_forward``, ``_backward_body``), but AOTAutograd traces it: the plans,
 checks and Calls run once, while compiling, and each kernel launch is recorded (kernels.launch:
 ``wrap_triton``) for Inductor to make from its generated code. ``layer`` is the layer's key as an
-int (a constant of the graph: the layer's seeds are looked up by it while tracing), and
-``seed_values`` the table's buffer, whose slots the graph reads (nn.seeds.SeedSlots): the
-compiled step reads each tick's seeds. Dense matrices take kernels.matmul's pointer kernel there
-(a host TMA descriptor cannot be recorded). FP4LAB_TRACED=0 keeps every layer on the opaque ops.
-A model compiled in several frames (a graph break in each block) compiles a traced layer's frame
-once per layer key, where the opaque ops' tensor of keys is shared.
+int (a constant of the graph: the layer's seeds are looked up by it while tracing; 0 for a recipe
+that draws none), and ``seed_values`` the table's buffer, whose slots the graph reads
+(nn.seeds.SeedSlots): the compiled step reads each tick's seeds. kernels.matmul's persistent GEMM
+makes its TMA descriptors on the device there (a host descriptor cannot be recorded).
+FP4LAB_TRACED=0 keeps every layer on the opaque ops. A key read as an int is a guard on its value:
+a model compiled in several frames (a graph break in each block) would compile a seed-drawing
+traced layer's frame once per layer, and past dynamo's recompile limit run the later blocks
+eagerly, so a model with grouped experts (routing may break its graph) keeps the opaque ops
+(QuantContext.traced_ops).
 
 Public: ``register_recipe``, ``recipe_index``, ``registered_recipe``, ``as_recipe``, ``RecipeSlot``,
 ``LayerKeys``, ``traceable``, ``fp4_gemms_op``.
@@ -82,7 +86,7 @@ from ..kernels import BlockValues
 from .. import kernels
 from ..kernels.host import env
 from .gemms import (WGRAD_ROW_MULTIPLE, Call, QuantContext, call_at, capturing, draws_seeds, gemms_backward,
-                    gemms_forward, keeps_w_values, keeps_x_wgrad, w_values_shape, x_wgrad_operand)
+                    gemms_forward, keeps_w_values, keeps_x_wgrad, kernels_only, w_values_shape, x_wgrad_operand)
 from .recipe import Recipe
 from .seeds import table_at
 
@@ -151,6 +155,12 @@ class RecipeSlot:
         super().__setstate__(state)
         if "_recipe" in state or "recipe" in state:
             self.recipe = state["_recipe"] if "_recipe" in state else self.__dict__.pop("recipe")
+        # keys pickled as a tensor (before LayerKeys), or a dict of them per label: both forms now
+        keys = self.__dict__.get("keys")
+        if isinstance(keys, torch.Tensor):
+            self.keys = LayerKeys.of(keys.tolist())
+        elif isinstance(keys, dict):
+            self.keys = {k: LayerKeys.of(v.tolist()) if isinstance(v, torch.Tensor) else v for k, v in keys.items()}
 
 
 class LayerKeys(NamedTuple):
@@ -350,14 +360,25 @@ _gemms_traced.register_autograd(_backward_traced, setup_context=_setup_traced)
 @torch.compiler.assume_constant_result  # (a constant of the graph: dynamo reads no registry to decide it)
 def traceable(recipe: int, table: bool, device: str) -> bool:
     """Whether a dense layer's GEMMs under the registered ``recipe`` go through the traced ops,
-    whose launches Inductor makes itself: the Triton kernels run them (CUDA, not the interpreter),
+    whose launches Inductor makes itself: the Triton kernels run them (CUDA, not the interpreter);
     every seed the recipe draws comes from a SeedTable (``table``; a traced graph would freeze an
-    int seed) and no ``bf16_after`` switches it with the progress (a traced graph holds the
-    recipe). FP4LAB_TRACED=0 keeps every layer on the opaque ops."""
+    int seed); no ``bf16_after`` switches it with the progress (a traced graph holds the recipe);
+    and its GEMMs are fp4lab's kernels alone (gemms.kernels_only: no torch arithmetic in the body
+    for Inductor to round its own way). FP4LAB_TRACED=0 keeps every layer on the opaque ops. Made
+    for Inductor, torch.compile's default backend: another backend runs the recorded launches
+    through Triton's launcher, which has no allocator for the persistent GEMM's device-made TMA
+    descriptors (kernels.matmul); set FP4LAB_TRACED=0 there."""
     r = registered_recipe(recipe)
     return (device == "cuda" and kernels.uses_triton(torch.device(device)) and env("TRITON_INTERPRET") != "1"
             and env("FP4LAB_TRACED", "1").lower() not in ("0", "false", "off", "no")
-            and r.bf16_after is None and (table or not draws_seeds(r)))
+            and r.bf16_after is None and kernels_only(r) and (table or not draws_seeds(r)))
+
+
+@torch.compiler.assume_constant_result
+def _keyed(recipe: int) -> bool:
+    """Whether a traced layer under the registered ``recipe`` needs its key: only to find the
+    seeds it draws (a recipe drawing none passes 0, and a graph per layer key is not made)."""
+    return draws_seeds(registered_recipe(recipe))
 
 
 def fp4_gemms_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int] | torch.Tensor,
@@ -368,17 +389,21 @@ def fp4_gemms_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     ``sizes`` as host ints or, for a grouped call, a device tensor of counts (passed on as
     ``counts``); ``recipe`` or its registered index (a module's ``recipe_id``: no scan of the
     registry, see RecipeSlot)."""
-    keys, ints = layers if isinstance(layers, LayerKeys) else (None, tuple(layers))
     seeds = -1 if context.seeds is None else context.seeds.index
     index = recipe if isinstance(recipe, int) else recipe_index(recipe)
     # what backward will ask for (the eager path's rule): dW (keep wgrad's x), dx (keep fprop's weight tiles)
     keep_x = torch.is_grad_enabled() and weight.requires_grad
     keep_w = torch.is_grad_enabled() and x.requires_grad
-    if (not grouped and all(type(n) is int for n in (*x.shape, *weight.shape))  # (static shapes: plans)
+    # (the ints are read only on the traced path: a read is a guard on their values, and a frame
+    # compiled per block; keys made before LayerKeys, a tensor, take the opaque ops)
+    if (not grouped and not isinstance(layers, torch.Tensor) and context.traced_ops
+            and all(type(n) is int for n in (*x.shape, *weight.shape))  # (static shapes: plans)
             and traceable(index, seeds >= 0, x.device.type)):
         values = None if context.seeds is None else context.seeds.values
-        return _gemms_traced(x, weight, bias, ints[0], index, context.rank, values, seeds, keep_x, keep_w)[0]
-    keys = keys if keys is not None else torch.tensor(list(ints), dtype=torch.int64)
+        layer = (layers.ints if isinstance(layers, LayerKeys) else list(layers))[0] if _keyed(index) else 0
+        return _gemms_traced(x, weight, bias, layer, index, context.rank, values, seeds, keep_x, keep_w)[0]
+    keys = (layers.tensor if isinstance(layers, LayerKeys) else layers if isinstance(layers, torch.Tensor)
+            else torch.tensor(list(layers), dtype=torch.int64))
     counts, sizes = (sizes, []) if isinstance(sizes, torch.Tensor) else (None, list(sizes))
     return _gemms(x, weight, bias, sizes, counts, keys, index, context.clock, context.rank, seeds, grouped,
                   keep_x, keep_w)[0]

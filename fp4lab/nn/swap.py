@@ -95,6 +95,8 @@ def quantize_model(model: nn.Module, recipe: Recipe, *, context: QuantContext | 
                          f"{type(model).__name__} has no embed_gain / logits_gain")
     if hasattr(model, "embed_gain"):
         model.embed_gain, model.logits_gain = gains
+    if any(hasattr(module, "use_recipe") for module in model.modules()):  # grouped experts (QuantContext)
+        context.traced_ops = False
     model.fp4_context, model.fp4_recipe = context, recipe
     model.fp4_coverage = coverage(model)
     if recipe.quantized and not model.fp4_coverage["linears"]["fp4"]:

@@ -94,7 +94,8 @@ class TrainConfig:
     the routing's counts on the device (BF16 experts on torch._grouped_mm; FP4 experts in a
     graphed run, under a recipe nn.gemms.counts_stay_on_device admits); elsewhere reading the
     counts on the host breaks the graph at each MoE block. On CUDA the run's seeds go in a SeedTable,
-    so a dense FP4 layer takes the traced ops, whose kernel launches Inductor makes (nn.ops)."""
+    so a dense FP4 layer of a model without experts takes the traced ops where nn.ops.traceable
+    allows (Inductor makes their kernel launches)."""
     cuda_graph: bool = False
     """Replay each step's forward and backward from one CUDA graph (train.graphed), the step's seeds
     read from device memory (nn.seeds); clipping, the divergence check and the optimizers stay
