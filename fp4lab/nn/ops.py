@@ -78,6 +78,7 @@ Public: ``register_recipe``, ``recipe_index``, ``registered_recipe``, ``as_recip
 
 from __future__ import annotations
 
+import importlib.util
 from typing import NamedTuple
 
 import torch
@@ -304,7 +305,16 @@ def _backward(ctx, dy: torch.Tensor, *unused):
 _gemms.register_autograd(_backward, setup_context=_setup_context)
 
 
-@torch.library.triton_op("fp4lab::gemms_traced", mutates_args=())
+def _traced_op(name: str):
+    """torch.library.triton_op where triton is installed; without it a plain custom op of the same
+    body (``traceable`` never picks it there, and torch's triton_op warns at its definition that
+    it can look for no kernels)."""
+    if importlib.util.find_spec("triton") is None:
+        return torch.library.custom_op(name, mutates_args=())
+    return torch.library.triton_op(name, mutates_args=())
+
+
+@_traced_op("fp4lab::gemms_traced")
 def _gemms_traced(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: int, recipe: int,
                   rank: int, seed_values: torch.Tensor | None, seeds: int, keep_x: bool, keep_w: bool
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -312,7 +322,7 @@ def _gemms_traced(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return _forward(x, weight, bias, [x.shape[0]], calls, False, keep_x, keep_w, registered_recipe(recipe))
 
 
-@torch.library.triton_op("fp4lab::gemms_traced_backward", mutates_args=())
+@_traced_op("fp4lab::gemms_traced_backward")
 def _gemms_traced_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, layer: int, recipe: int,
                            rank: int, seed_values: torch.Tensor | None, seeds: int, need_dx: bool, need_dw: bool,
                            x_wgrad: torch.Tensor, x_wgrad_scale: torch.Tensor, w_values: torch.Tensor,
