@@ -90,8 +90,8 @@ def _arg_key(arg):
 
 def _signature(args: tuple, constexpr: tuple[bool, ...]) -> tuple | None:
     """The positional arguments' keys, two entries each (a kind, then its key), flattened into one
-    tuple, or None where one is unknown (_arg_key), or _TRACED where one is a tracer's tensor. A constexpr is keyed by its value. The two
-    commonest kinds are keyed inline: a tensor by its dtype and 16-byte alignment; an int by
+    tuple, or None where one is unknown (_arg_key), or _TRACED where one is a tracer's tensor. A
+    constexpr is keyed by its value. The two commonest kinds are keyed inline: a tensor by its dtype and 16-byte alignment; an int by
     Triton's specializations (1, divisible by 16, i32 / i64 / u64 by range) packed into one small
     int. A launch keys a dozen or two arguments, and a function call and a nested tuple each were
     the larger part of a cached launch's host time."""
