@@ -80,7 +80,11 @@ _TRACER_MODES = tuple(getattr(torch._C._TorchDispatchModeKey, key) for key in ("
 def tracing() -> bool:
     """Whether a tracer is running this code (torch.compile's fake, proxy or functional mode: what
     runs a traced op of nn.ops at compile time): tensors have shapes but no memory, so no address
-    can be read and a launch is recorded (torch.library.wrap_triton) rather than made."""
+    can be read and a launch is recorded (torch.library.wrap_triton) rather than made. Asked on
+    the eager hot path (each dense GEMM, each pooled zero buffer): with no dispatch mode at all,
+    tracer or other (the stack's length counts both), one call answers."""
+    if not torch._C._len_torch_dispatch_stack():
+        return False
     mode = torch._C._get_dispatch_mode
     return any(mode(key) is not None for key in _TRACER_MODES)
 

@@ -72,3 +72,27 @@ def test_a_plan_table_keeps_at_most_its_limit():
     assert dict(table) == {0: "plan 0", 1: "plan 1", 2: "plan 2"}
     table.keep(3, "plan 3")  # full: emptied first, then kept
     assert dict(table) == {3: "plan 3"}
+
+
+def test_tracing_is_true_under_a_tracer_only():
+    """A tracer's fake, functional or proxy mode (what runs a traced op while compiling) counts;
+    no mode, or another mode (a user's), does not."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch._subclasses.functional_tensor import FunctionalTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Passing(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    seen = []
+    assert not host.tracing()
+    with FakeTensorMode():
+        seen.append(host.tracing())
+    with FunctionalTensorMode():
+        seen.append(host.tracing())
+    make_fx(lambda x: seen.append(host.tracing()) or x + 1)(torch.ones(2))
+    with Passing():
+        assert not host.tracing()
+    assert seen == [True, True, True]
