@@ -276,30 +276,45 @@ def _(dy, x, weight, sizes, counts, layers, recipe, clock, rank, seeds, grouped,
         torch.empty_like(weight) if need_dw else weight.new_empty(0))
 
 
-def _setup_context(ctx, inputs, output) -> None:
-    x, weight, bias, sizes, counts, layers, recipe, clock, rank, seeds, grouped, keep_x, keep_w = inputs
-    _, x_wgrad, x_wgrad_scale, w_values, w_scale = output
-    # with wgrad's copy of x kept, backward needs x's shape alone: a one-element stand-in is saved
-    kept = x_wgrad.numel() > 0
-    x_saved = x.new_zeros(1) if kept else x
-    ctx.mark_non_differentiable(x_wgrad, x_wgrad_scale, w_values, w_scale)  # (no zero gradients made for them)
-    # the trainer may move the clock before backward; counts (None: sizes) ride along as a tensor
-    ctx.save_for_backward(x_saved, weight, clock.clone(), layers, counts, x_wgrad, x_wgrad_scale, w_values, w_scale)
-    ctx.x_shape = tuple(x.shape) if kept else None
-    ctx.args = (sizes, recipe, rank, seeds, grouped)
+def _save(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, output: tuple, *extra) -> None:
+    """What both forward ops save for their backward: x, the weight, ``extra`` tensors, then what
+    the op kept (its outputs past y). With wgrad's copy of x kept, backward needs x's shape alone:
+    a one-element stand-in is saved."""
+    kept = output[1:]
+    keeps_x = kept[0].numel() > 0
+    ctx.mark_non_differentiable(*kept)  # (no zero gradients made for them)
+    ctx.save_for_backward(x.new_zeros(1) if keeps_x else x, weight, *extra, *kept)
+    ctx.x_shape = tuple(x.shape) if keeps_x else None
     ctx.has_bias = bias is not None
 
 
-def _backward(ctx, dy: torch.Tensor, *unused):
-    x, weight, clock, layers, counts, *kept = ctx.saved_tensors
-    if ctx.x_shape is not None:
-        x = x.expand(ctx.x_shape)
-    sizes, recipe, rank, seeds, grouped = ctx.args
-    need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    dx, dw = torch.ops.fp4lab.gemms_backward(dy, x, weight, sizes, counts, layers, recipe, clock, rank, seeds,
-                                             grouped, need_dx, need_dw, *kept)
+def _saved(ctx) -> tuple:
+    """(x, weight, *extra, *kept) as _save saved them, x at its shape again."""
+    x, *rest = ctx.saved_tensors
+    return (x if ctx.x_shape is None else x.expand(ctx.x_shape)), *rest
+
+
+def _gradients(ctx, dy: torch.Tensor, dx: torch.Tensor, dw: torch.Tensor, inputs: int) -> tuple:
+    """A backward op's (dx, dw) as autograd takes them, with the bias's and Nones for the op's
+    other ``inputs``."""
     db = dy.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-    return (dx if need_dx else None), (dw if need_dw else None), db, *[None] * 10
+    return (dx if ctx.needs_input_grad[0] else None), (dw if ctx.needs_input_grad[1] else None), db, *[None] * (
+        inputs - 3)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, weight, bias, sizes, counts, layers, recipe, clock, rank, seeds, grouped, keep_x, keep_w = inputs
+    # the trainer may move the clock before backward; counts (None: sizes) ride along as a tensor
+    _save(ctx, x, weight, bias, output, clock.clone(), layers, counts)
+    ctx.args = (sizes, recipe, rank, seeds, grouped)
+
+
+def _backward(ctx, dy: torch.Tensor, *unused):
+    x, weight, clock, layers, counts, *kept = _saved(ctx)
+    sizes, recipe, rank, seeds, grouped = ctx.args
+    dx, dw = torch.ops.fp4lab.gemms_backward(dy, x, weight, sizes, counts, layers, recipe, clock, rank, seeds,
+                                             grouped, *ctx.needs_input_grad[:2], *kept)
+    return _gradients(ctx, dy, dx, dw, 13)
 
 
 _gemms.register_autograd(_backward, setup_context=_setup_context)
@@ -343,25 +358,16 @@ def _traced_calls(layer: int, recipe: int, rank: int, seed_values: torch.Tensor 
 
 def _setup_traced(ctx, inputs, output) -> None:
     x, weight, bias, layer, recipe, rank, seed_values, seeds, keep_x, keep_w = inputs
-    _, x_wgrad, x_wgrad_scale, w_values, w_scale = output
-    kept = x_wgrad.numel() > 0  # (as _setup_context)
-    ctx.mark_non_differentiable(x_wgrad, x_wgrad_scale, w_values, w_scale)
-    ctx.save_for_backward(x.new_zeros(1) if kept else x, weight, seed_values, x_wgrad, x_wgrad_scale, w_values,
-                          w_scale)
-    ctx.x_shape = tuple(x.shape) if kept else None
+    _save(ctx, x, weight, bias, output, seed_values)
     ctx.args = (layer, recipe, rank)
-    ctx.seeds, ctx.has_bias = seeds, bias is not None
+    ctx.seeds = seeds
 
 
 def _backward_traced(ctx, dy: torch.Tensor, *unused):
-    x, weight, seed_values, *kept = ctx.saved_tensors
-    if ctx.x_shape is not None:
-        x = x.expand(ctx.x_shape)
-    need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    dx, dw = torch.ops.fp4lab.gemms_traced_backward(dy, x, weight, *ctx.args, seed_values, ctx.seeds, need_dx,
-                                                    need_dw, *kept)
-    db = dy.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-    return (dx if need_dx else None), (dw if need_dw else None), db, *[None] * 7
+    x, weight, seed_values, *kept = _saved(ctx)
+    dx, dw = torch.ops.fp4lab.gemms_traced_backward(dy, x, weight, *ctx.args, seed_values, ctx.seeds,
+                                                    *ctx.needs_input_grad[:2], *kept)
+    return _gradients(ctx, dy, dx, dw, 10)
 
 
 _gemms_traced.register_autograd(_backward_traced, setup_context=_setup_traced)

@@ -70,6 +70,30 @@ def test_the_traced_ops_are_picked_where_a_graph_can_hold_the_call(monkeypatch):
     assert not ops.traceable(rtne, True, "cuda")
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                    reason="the Triton kernels: the interpreter or a GPU")
+@pytest.mark.parametrize("recipe_name", ["nvfp4", "mxfp4_hadamard"])
+def test_the_traced_ops_run_eagerly_give_the_opaque_ops_bits_and_gradients(recipe_name):
+    """Called outside a trace (their autograd included) the traced ops are the opaque ops: the same
+    y, dx, dW and db, the seeds read from the table's buffer they are handed."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    index = ops.register_recipe(preset(recipe_name))
+    table = SeedTable(device)
+    context = QuantContext(seeds=table)
+    context.tick = 3
+    g = torch.Generator().manual_seed(0)
+    x, w, b, dy = (torch.randn(*shape, generator=g).bfloat16().to(device)
+                   for shape in ((64, 32), (1, 48, 32), (48,), (64, 48)))
+    key = 1234
+    traced = _layer_step(lambda x, w, b: torch.ops.fp4lab.gemms_traced(
+        x, w, b, key, index, 0, table.values, table.index, True, True)[0], x, w, b, dy)
+    opaque = _layer_step(lambda x, w, b: torch.ops.fp4lab.gemms(
+        x, w, b, [64], None, torch.tensor([key]), index, context.clock, 0, table.index, False, True, True)[0],
+        x, w, b, dy)
+    for name, a, e in zip(("y", "dx", "dw", "db"), traced, opaque):
+        assert torch.equal(a, e), name
+
+
 def test_a_model_with_grouped_experts_keeps_the_opaque_ops():
     """A compiled MoE model may break its graph at each block's routing: a traced layer drawing
     seeds compiles per layer key, and past dynamo's recompile limit later blocks would run eager."""
