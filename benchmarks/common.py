@@ -90,6 +90,12 @@ def kernel_ms(fn, reps: int = 10, warmup: int = 3) -> float:
     """Milliseconds of GPU kernel time per fn() call: the sum of the durations of every kernel it
     launches (torch.profiler), averaged over ``reps`` calls. Device cost without launch gaps, for
     work that a CUDA graph cannot capture (autograd's backward runs on its own thread)."""
+    return sum(us for us, _ in kernel_times(fn, reps, warmup).values()) / 1e3
+
+
+def kernel_times(fn, reps: int = 10, warmup: int = 3) -> dict[str, tuple[float, float]]:
+    """{name: (GPU microseconds of its own per fn() call, launches per call)} of every kernel fn()
+    launches (torch.profiler, ``reps`` calls after ``warmup``): kernel_ms by name."""
     from torch.profiler import ProfilerActivity, profile
     for _ in range(warmup):
         fn()
@@ -98,8 +104,8 @@ def kernel_ms(fn, reps: int = 10, warmup: int = 3) -> float:
         for _ in range(reps):
             fn()
         torch.cuda.synchronize()
-    total_us = sum(getattr(e, "self_device_time_total", 0) for e in prof.key_averages())
-    return total_us / reps / 1e3
+    return {e.key: (e.self_device_time_total / reps, e.count / reps) for e in prof.key_averages()
+            if getattr(e, "self_device_time_total", 0)}
 
 
 def host_profile(fn, calls: int, warmup: int = 3, rows: int = 30) -> str:

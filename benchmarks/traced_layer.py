@@ -19,30 +19,14 @@ import time
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import environment, save  # noqa: E402
+from benchmarks.common import environment, kernel_times, save  # noqa: E402
 from fp4lab.nn import ops  # noqa: E402
 from fp4lab.nn.gemms import QuantContext  # noqa: E402
 from fp4lab.nn.linear import fp4_linear, layer_keys  # noqa: E402
 from fp4lab.nn.recipe import preset  # noqa: E402
 from fp4lab.nn.seeds import SeedTable  # noqa: E402
-
-
-def kernel_us(fn, steps: int) -> dict[str, tuple[float, float]]:
-    """{kernel name: (CUDA microseconds a step, launches a step)} of fn() over ``steps`` calls."""
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            fn()
-        torch.cuda.synchronize()
-    rows = {}
-    for event in prof.key_averages():
-        us = getattr(event, "self_device_time_total", 0) or getattr(event, "self_cuda_time_total", 0)
-        if us:
-            rows[event.key[:70]] = (us / steps, event.count / steps)
-    return rows
 
 
 def wall_us(fn, steps: int) -> float:
@@ -77,12 +61,12 @@ def main() -> None:
         for tick in range(5):  # (compiles, warms up)
             context.tick = tick
             fn()
-        kernels = kernel_us(fn, args.steps)
+        kernels = kernel_times(fn, args.steps, warmup=0)
         total = sum(us for us, _ in kernels.values())
         result["paths"][name] = {"kernels_us": kernels, "kernel_us": total, "wall_us": wall_us(fn, args.steps)}
         print(f"== {name}: {total:.1f} us of kernels a step, wall {result['paths'][name]['wall_us']:.1f} us")
         for key, (us, count) in sorted(kernels.items(), key=lambda row: -row[1][0])[:12]:
-            print(f"  {us:9.1f} us  x{count:4.1f}  {key}")
+            print(f"  {us:9.1f} us  x{count:4.1f}  {key[:70]}")
     eager, compiled = result["paths"]["eager"], result["paths"]["compiled"]
     result["compiled_over_eager_kernels"] = compiled["kernel_us"] / eager["kernel_us"]
     result["compiled_over_eager_wall"] = compiled["wall_us"] / eager["wall_us"]
