@@ -3,20 +3,20 @@
 The other kernel tests run in Triton's interpreter, which accepts some programs the compiler
 rejects; this runs hopper_compile.py (the compiler, LLVM and ptxas on the CPU) in a process
 without TRITON_INTERPRET."""
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from ..checkout import subprocess_env
+
 pytest.importorskip("triton")
 pytest.importorskip("triton.backends.nvidia.compiler", reason="Triton without its NVIDIA backend")
 
 
 def test_every_launch_compiles_for_sm90(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)  # compile afresh, never from a cache
+    env = subprocess_env(interpret=False, TRITON_CACHE_DIR=str(tmp_path))  # compile afresh, never from a cache
     script = Path(__file__).with_name("hopper_compile.py")
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]

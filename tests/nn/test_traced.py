@@ -21,6 +21,8 @@ from fp4lab.nn.gemms import QuantContext
 from fp4lab.nn.recipe import preset
 from fp4lab.nn.seeds import SeedTable
 
+from ..checkout import subprocess_env
+
 RECIPES = ["nvfp4", "nvfp4_plain", "mxfp4_hadamard", "nvfp4_four_over_six",
            "nvfp4:fprop.b.dither=0.5,dgrad.b.dither=0.5", "nvfp4:wgrad.hadamard=random,wgrad.hadamard_size=32",
            "nvfp4:fprop.b.block2d=false", "nvfp4:fprop.a.format=bf16", "mxfp4:fprop.a.rounding=stochastic"]
@@ -29,11 +31,10 @@ RECIPES = ["nvfp4", "nvfp4_plain", "mxfp4_hadamard", "nvfp4_four_over_six",
 def test_every_recipe_traces_into_launches_that_write_only_their_outputs():
     """trace_ops.py asserts, per recipe: both ops trace with no memory read, each launch writes no
     graph input, and seeds drawn are read as slices of the table's buffer (written for real)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     pytest.importorskip("triton")
     script = Path(__file__).with_name("trace_ops.py")
-    done = subprocess.run([sys.executable, str(script), *RECIPES], capture_output=True, text=True, env=env,
-                          timeout=900)
+    done = subprocess.run([sys.executable, str(script), *RECIPES], capture_output=True, text=True,
+                          env=subprocess_env(interpret=False), timeout=900)
     assert done.returncode == 0, done.stdout + done.stderr[-4000:]
     lines = done.stdout.strip().splitlines()
     assert len(lines) == len(RECIPES), done.stdout
