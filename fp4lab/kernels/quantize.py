@@ -211,54 +211,66 @@ def _hadamard(x, seed, RULE: tl.constexpr, ROUND_BF16: tl.constexpr, BR: tl.cons
 
 
 @triton.jit
-def _rotated_part_bits(p, ROUND_BF16: tl.constexpr):
-    """One position of a 16-point rotation (unscaled) -> |its rotated value|'s bits, 0 where not finite."""
-    v = p * 0.25
-    if ROUND_BF16:
-        v = round_to_bf16(v)
-    bits = v.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-    return tl.where(bits < 0x7F800000, bits, 0)
+def _rotated_run_bits(x, seed, RULE: tl.constexpr, ROUND_BF16: tl.constexpr, BR: tl.constexpr, NB: tl.constexpr,
+                      N: tl.constexpr):
+    """x: [BR, NB, N] -> [BR, NB] int32: per run, the bits of the largest finite |value| of the run
+    rotated as the rule says (NO_ROTATION: x itself). At 16 points, of the butterfly's unscaled and
+    unrounded outputs, its 16 positions not put back in order (the max does not need it, and the
+    joins cost layout changes): _rotated_amax_bits applies the 1/4 and the bf16 rounding once, to
+    the tensor's max. Taking the max first is exact: p -> round(|p| / 4) is non-decreasing, and
+    finite for every finite p (|p| / 4 <= FLT_MAX / 4 lies below bf16's largest finite value)."""
+    # one return after a constexpr if/else (the compiler goes on past a return in a constexpr branch)
+    if (RULE == NO_ROTATION) | (N != 16):
+        if RULE != NO_ROTATION:
+            x = _hadamard(x, seed, RULE, ROUND_BF16, BR, NB, N)
+        m = tl.max(_finite_abs_bits(x), axis=2)
+    else:
+        p0, p1, p2, p3, p4, p5, p6, p7, p8, p9, p10, p11, p12, p13, p14, p15 = \
+            _butterfly16_parts(_signed(x, seed, RULE, 16), BR, NB)
+        m = tl.maximum(tl.maximum(tl.maximum(_finite_abs_bits(p0), _finite_abs_bits(p1)),
+                                  tl.maximum(_finite_abs_bits(p2), _finite_abs_bits(p3))),
+                       tl.maximum(tl.maximum(_finite_abs_bits(p4), _finite_abs_bits(p5)),
+                                  tl.maximum(_finite_abs_bits(p6), _finite_abs_bits(p7))))
+        m = tl.maximum(m, tl.maximum(tl.maximum(tl.maximum(_finite_abs_bits(p8), _finite_abs_bits(p9)),
+                                                tl.maximum(_finite_abs_bits(p10), _finite_abs_bits(p11))),
+                                     tl.maximum(tl.maximum(_finite_abs_bits(p12), _finite_abs_bits(p13)),
+                                                tl.maximum(_finite_abs_bits(p14), _finite_abs_bits(p15)))))
+        m = tl.max(m, axis=2)  # (a size-1 axis: no data moves)
+    return m
+
+
+@triton.jit
+def _rotated_amax_bits(m, RULE: tl.constexpr, ROUND_BF16: tl.constexpr, N: tl.constexpr):
+    """The max of _rotated_run_bits' runs (int32 scalar) -> the bits of the rotated tensor's finite
+    amax: at 16 points the butterfly's 1/4 and the bf16 rounding, applied once."""
+    if (RULE != NO_ROTATION) & (N == 16):
+        v = m.to(tl.float32, bitcast=True) * 0.25
+        if ROUND_BF16:
+            v = round_to_bf16(v)
+        m = v.to(tl.int32, bitcast=True)
+    return m
 
 
 @triton.jit
 def _rotated_finite_max_bits(x, seed, RULE: tl.constexpr, ROUND_BF16: tl.constexpr, BR: tl.constexpr,
                              NB: tl.constexpr, N: tl.constexpr):
-    """x: [BR, NB, N] -> _finite_max_bits of x rotated as the rule says (NO_ROTATION: x itself). At
-    16 points the 16 positions are not put back in order (the max does not need it, and the joins
-    cost layout changes)."""
-    # one return after a constexpr if/else (the compiler goes on past a return in a constexpr branch)
-    if (RULE == NO_ROTATION) | (N != 16):
-        if RULE != NO_ROTATION:
-            x = _hadamard(x, seed, RULE, ROUND_BF16, BR, NB, N)
-        m = _finite_max_bits(x)
-    else:
-        m = _max_of_16_parts(x, seed, RULE, ROUND_BF16, BR, NB)
-    return m
+    """x: [BR, NB, N] -> _finite_max_bits of x rotated as the rule says (NO_ROTATION: x itself)."""
+    return _rotated_amax_bits(tl.max(_rotated_run_bits(x, seed, RULE, ROUND_BF16, BR, NB, N)), RULE, ROUND_BF16, N)
 
 
 @triton.jit
-def _max_of_16_parts(x, seed, RULE: tl.constexpr, ROUND_BF16: tl.constexpr, BR: tl.constexpr, NB: tl.constexpr):
-    """The 16-point case of _rotated_finite_max_bits: the max over the butterfly's 16 positions."""
-    p0, p1, p2, p3, p4, p5, p6, p7, p8, p9, p10, p11, p12, p13, p14, p15 = \
-        _butterfly16_parts(_signed(x, seed, RULE, 16), BR, NB)
-    m = tl.maximum(tl.maximum(tl.maximum(_rotated_part_bits(p0, ROUND_BF16), _rotated_part_bits(p1, ROUND_BF16)),
-                              tl.maximum(_rotated_part_bits(p2, ROUND_BF16), _rotated_part_bits(p3, ROUND_BF16))),
-                   tl.maximum(tl.maximum(_rotated_part_bits(p4, ROUND_BF16), _rotated_part_bits(p5, ROUND_BF16)),
-                              tl.maximum(_rotated_part_bits(p6, ROUND_BF16), _rotated_part_bits(p7, ROUND_BF16))))
-    m = tl.maximum(m, tl.maximum(
-        tl.maximum(tl.maximum(_rotated_part_bits(p8, ROUND_BF16), _rotated_part_bits(p9, ROUND_BF16)),
-                   tl.maximum(_rotated_part_bits(p10, ROUND_BF16), _rotated_part_bits(p11, ROUND_BF16))),
-        tl.maximum(tl.maximum(_rotated_part_bits(p12, ROUND_BF16), _rotated_part_bits(p13, ROUND_BF16)),
-                   tl.maximum(_rotated_part_bits(p14, ROUND_BF16), _rotated_part_bits(p15, ROUND_BF16)))))
-    return tl.max(m)
+def _finite_abs_bits(x):
+    """x: fp32 tile -> int32 bits of |x| where finite, 0 elsewhere (non-negative floats order like
+    their bits, so a max of these is the bits of the largest finite |x|)."""
+    bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    return tl.where(bits < 0x7F800000, bits, 0)
 
 
 @triton.jit
 def _finite_max_bits(x):
     """x: fp32 tile (any rank) -> int32 bits of its largest finite |x| (0 if none): the tile's share
-    of a tensor amax, folded in with an atomic max (non-negative floats order like their bits)."""
-    bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-    return tl.max(tl.where(bits < 0x7F800000, bits, 0))
+    of a tensor amax, folded in with an atomic max."""
+    return tl.max(_finite_abs_bits(x))
 
 
 @triton.jit
@@ -493,35 +505,49 @@ def _fp4_pair_kernel(x_ptr, rows_ptr, cols_ptr, amax_ptr, s_dec_ptr, seed_r, see
                      RULE_R: tl.constexpr, RULE_C: tl.constexpr, BLOCK: tl.constexpr, STOCHASTIC_R: tl.constexpr,
                      STOCHASTIC_C: tl.constexpr, HADAMARD_C: tl.constexpr, BF16_BITS: tl.constexpr,
                      AMAX_ONLY: tl.constexpr, SEED_R_IN_MEMORY: tl.constexpr, SEED_C_IN_MEMORY: tl.constexpr,
-                     H_SEED_IN_MEMORY: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+                     H_SEED_IN_MEMORY: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, ITERS: tl.constexpr):
     """Both copies of x [M, K] (row-major) a linear layer quantizes, from one read of each tile:
     the rows copy (blocks along K: [M, K] values, amax and S_dec slot 0) and the columns copy
     (blocks along M, rotated when asked, M zero-padded to MP: [K, MP] values, slot 1). Each copy's
-    program is the single-copy kernel's for the same tile, so the bytes are the same."""
+    program is the single-copy kernel's for the same tile, so the bytes are the same. A program
+    takes ITERS tiles down the rows (the amax pass keeps elementwise maxima until the end): one
+    tile alone spent much of its instructions on a program's fixed work (the sign draw, the
+    tensor terms, the amax pass's tile-wide reductions and atomics)."""
     pid_m, pid_k = tl.program_id(0), tl.program_id(1)
-    rows = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
     cols = (pid_k * BK + tl.arange(0, BK)).to(tl.int64)
-    inside = (rows[:, None] < M) & (cols[None, :] < K)
-    x = widen(tl.load(x_ptr + rows[:, None] * stride_m + cols[None, :], mask=inside, other=0.0), BF16_BITS)
-    if SEED_R_IN_MEMORY:  # device seeds: a captured graph reads each replay's own
-        seed_r = tl.load(seed_r_ptr)
-    if SEED_C_IN_MEMORY:
-        seed_c = tl.load(seed_c_ptr)
     if H_SEED_IN_MEMORY:
         h_seed_c = tl.load(h_seed_c_ptr)
-    xr = tl.reshape(x, (BM, BK // BLOCK, BLOCK))
-    xc = tl.reshape(tl.trans(x), (BK, BM // BLOCK, BLOCK))
-    if AMAX_ONLY:  # both tensor amaxes (finite values only) in one read
-        tl.atomic_max(amax_ptr, _finite_max_bits(x))
-        tl.atomic_max(amax_ptr + 1, _rotated_finite_max_bits(xc, h_seed_c, HADAMARD_C, BF16_BITS, BK, BM // BLOCK,
-                                                             BLOCK))
-    else:
-        if HADAMARD_C != NO_ROTATION:
-            xc = _hadamard(xc, h_seed_c, HADAMARD_C, BF16_BITS, BK, BM // BLOCK, BLOCK)
-        _quantize_tile(xr, rows, rows, pid_k * (BK // 16), 0, amax_ptr, seed_r, K, rows_ptr, rows_ptr, s_dec_ptr,
-                       M, M, K, pid_m, pid_k, RULE_R, BLOCK, 1, STOCHASTIC_R, True, NO_GROUPS, BM, BK)
-        _quantize_tile(xc, cols, cols, pid_m * (BM // 16), 0, amax_ptr + 1, seed_c, MP, cols_ptr, cols_ptr,
-                       s_dec_ptr + 1, K, K, MP, pid_k, pid_m, RULE_C, BLOCK, 1, STOCHASTIC_C, True, NO_GROUPS, BK, BM)
+    if AMAX_ONLY:  # both tensor amaxes (finite values only), x read once
+        m_rows = tl.zeros((BM, BK), tl.int32)
+        m_cols = tl.zeros((BK, BM // BLOCK), tl.int32)
+        for i in range(ITERS):
+            rows = ((pid_m * ITERS + i) * BM + tl.arange(0, BM)).to(tl.int64)
+            inside = (rows[:, None] < M) & (cols[None, :] < K)  # (rows past M: zeros, the columns copy's padding)
+            x = widen(tl.load(x_ptr + rows[:, None] * stride_m + cols[None, :], mask=inside, other=0.0), BF16_BITS)
+            m_rows = tl.maximum(m_rows, _finite_abs_bits(x))
+            m_cols = tl.maximum(m_cols, _rotated_run_bits(tl.reshape(tl.trans(x), (BK, BM // BLOCK, BLOCK)),
+                                                          h_seed_c, HADAMARD_C, BF16_BITS, BK, BM // BLOCK, BLOCK))
+        tl.atomic_max(amax_ptr, tl.max(m_rows))
+        tl.atomic_max(amax_ptr + 1, _rotated_amax_bits(tl.max(m_cols), HADAMARD_C, BF16_BITS, BLOCK))
+    else:  # the two copies, ITERS tiles down the rows a program
+        if SEED_R_IN_MEMORY:  # device seeds: a captured graph reads each replay's own
+            seed_r = tl.load(seed_r_ptr)
+        if SEED_C_IN_MEMORY:
+            seed_c = tl.load(seed_c_ptr)
+        for i in range(ITERS):
+            tile_m = pid_m * ITERS + i
+            rows = (tile_m * BM + tl.arange(0, BM)).to(tl.int64)
+            inside = (rows[:, None] < M) & (cols[None, :] < K)
+            x = widen(tl.load(x_ptr + rows[:, None] * stride_m + cols[None, :], mask=inside, other=0.0), BF16_BITS)
+            xr = tl.reshape(x, (BM, BK // BLOCK, BLOCK))
+            xc = tl.reshape(tl.trans(x), (BK, BM // BLOCK, BLOCK))
+            if HADAMARD_C != NO_ROTATION:
+                xc = _hadamard(xc, h_seed_c, HADAMARD_C, BF16_BITS, BK, BM // BLOCK, BLOCK)
+            _quantize_tile(xr, rows, rows, pid_k * (BK // 16), 0, amax_ptr, seed_r, K, rows_ptr, rows_ptr, s_dec_ptr,
+                           M, M, K, tile_m, pid_k, RULE_R, BLOCK, 1, STOCHASTIC_R, True, NO_GROUPS, BM, BK)
+            _quantize_tile(xc, cols, cols, tile_m * (BM // 16), 0, amax_ptr + 1, seed_c, MP, cols_ptr, cols_ptr,
+                           s_dec_ptr + 1, K, K, MP, pid_k, tile_m, RULE_C, BLOCK, 1, STOCHASTIC_C, True, NO_GROUPS,
+                           BK, BM)
 
 
 class _LaunchPlan:
@@ -776,6 +802,9 @@ def _warn_reference() -> None:
 # (BM, BK, warps) of block_values_pair. Swept on an H100 (benchmarks/sweep_quantize.py, x 8192 x 4096
 # with RHT for wgrad): 64 x 32 with 4 warps 0.285 ms, the best of seven; 64 x 64 0.342 ms
 PAIR_TILE = (64, 32, 4)
+# tiles a program takes down the rows, per pass (amax, copies): at most PAIR_ITERS, halved while the
+# grid would fall under PAIR_PROGRAMS programs (several per SM on an H100: the pass fills the device)
+PAIR_ITERS, PAIR_PROGRAMS = (8, 1), 1024
 
 
 _PAIR_KEYWORDS = frozenset({"rounding", "seed", "profile", "mode", "block", "pad", "hadamard", "hadamard_seed"})
@@ -840,7 +869,8 @@ class _PairPlan:
         self.bf16 = dtype == torch.bfloat16
         bm, bk, warps = PAIR_TILE
         m, k = shape
-        self.grid = (cdiv(columns_len, bm), cdiv(k, bk))
+        self._tiles = (cdiv(columns_len, bm), cdiv(k, bk))
+        self.iters = tuple(self._iters(most) for most in PAIR_ITERS)  # (the amax pass, the copies' pass)
         self.options = dict(RULE_R=rules[0], RULE_C=rules[1], BLOCK=16 if self.nvfp4 else MX_BLOCK,
                             STOCHASTIC_R=self.roundings[0] is Rounding.STOCHASTIC,
                             STOCHASTIC_C=self.roundings[1] is Rounding.STOCHASTIC,
@@ -848,14 +878,26 @@ class _PairPlan:
                             BF16_BITS=self.bf16, BM=bm, BK=bk, num_warps=warps, enable_fp_fusion=False)
         self._passes: dict[tuple[bool, bool, bool], tuple] = {}
 
+    def _iters(self, most: int) -> int:
+        """Tiles a program: up to ``most``, doubled while the grid keeps PAIR_PROGRAMS programs."""
+        iters = 1
+        while iters < most and cdiv(self._tiles[0], 2 * iters) * self._tiles[1] >= PAIR_PROGRAMS:
+            iters *= 2
+        return iters
+
+    def grid(self, iters: int) -> tuple[int, int]:
+        """The launch grid of a pass whose programs take ``iters`` tiles each."""
+        return cdiv(self._tiles[0], iters), self._tiles[1]
+
     def passes(self, in_memory: tuple[bool, bool, bool]) -> tuple:
-        """The launches' bound kernels, in order (NVFP4: the amax pass, then the copies' pass), for
-        seeds in memory as ``in_memory`` says (rows, columns, the columns' rotation)."""
+        """The launches, in order (NVFP4: the amax pass, then the copies' pass), as (bound kernel,
+        grid), for seeds in memory as ``in_memory`` says (rows, columns, the columns' rotation)."""
         bound = self._passes.get(in_memory)
         if bound is None:
             flags = dict(SEED_R_IN_MEMORY=in_memory[0], SEED_C_IN_MEMORY=in_memory[1], H_SEED_IN_MEMORY=in_memory[2])
             bound = self._passes[in_memory] = tuple(
-                _fp4_pair_kernel.bind(**self.options, AMAX_ONLY=amax_only, **flags)
+                (_fp4_pair_kernel.bind(**self.options, AMAX_ONLY=amax_only, ITERS=self.iters[not amax_only], **flags),
+                 self.grid(self.iters[not amax_only]))
                 for amax_only in ((True, False) if self.nvfp4 else (False,)))
         return bound
 
@@ -867,7 +909,7 @@ def _pair_plan(x: torch.Tensor, fmt: Format, rows: dict, columns: dict, columns_
     """The call's _PairPlan, or why the pair kernel does not cover it (pair_refusal)."""
     shape = tuple(x.shape)
     try:
-        key = (fmt, shape, x.dtype, columns_len, PAIR_TILE, *((k, v) for k, v in rows.items() if k not in _PER_CALL),
+        key = (fmt, shape, x.dtype, columns_len, PAIR_TILE, PAIR_ITERS, PAIR_PROGRAMS, *((k, v) for k, v in rows.items() if k not in _PER_CALL),
                None, *((k, v) for k, v in columns.items() if k not in _PER_CALL))
         plan = _PAIR_PLANS.get(key)
     except TypeError:  # an unhashable keyword value: worked out afresh
@@ -906,8 +948,8 @@ def try_block_values_pair(x: torch.Tensor, fmt: Format, *, rows: dict, columns: 
     ints = [0 if mem else v for v, mem in zip(seeds, in_memory)]
     ptrs = [v if mem else rows_v for v, mem in zip(seeds, in_memory)]
     src = x.view(torch.int16) if plan.bf16 else x
-    for kernel in plan.passes(in_memory):
-        kernel[plan.grid](src, rows_v, cols_v, amax, s_dec, *ints, *ptrs, m, k, columns_len, k)
+    for kernel, grid in plan.passes(in_memory):
+        kernel[grid](src, rows_v, cols_v, amax, s_dec, *ints, *ptrs, m, k, columns_len, k)
     scales = (s_dec[0], s_dec[1]) if plan.nvfp4 else (None, None)
     return (BlockValues(rows_v.view(torch.bfloat16), scales[0], m, fmt),
             BlockValues(cols_v.view(torch.bfloat16), scales[1], k, fmt))

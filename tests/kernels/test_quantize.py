@@ -15,6 +15,7 @@ pytest.importorskip("triton")
 
 from fp4lab import formats, kernels  # noqa: E402
 from fp4lab.kernels.amax import finite_amax  # noqa: E402
+from fp4lab.kernels.host import PlanTable  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -239,7 +240,7 @@ def test_a_plan_follows_the_tile_settings_and_takes_no_float_axis(monkeypatch):
     want = kernels.quantize_values_pair(x.to(DEVICE), "nvfp4", **pair)
     monkeypatch.setattr(quantize, "PAIR_TILE", (32, 64, 4))
     got = kernels.quantize_values_pair(x.to(DEVICE), "nvfp4", **pair)
-    assert any(p.grid == (2, 4) for p in quantize._PAIR_PLANS.values())
+    assert any(p.grid(1) == (2, 4) for p in quantize._PAIR_PLANS.values())
     for w, g in zip(want, got):
         assert torch.equal(w.values.view(torch.int16), g.values.view(torch.int16))  # (NaN blocks: bits)
         assert torch.equal(w.tensor_scale, g.tensor_scale)
@@ -632,6 +633,33 @@ def test_a_pairs_bytes_do_not_depend_on_its_tile(tile, monkeypatch):
               columns=dict(rounding="stochastic", seed=5, hadamard="random", hadamard_seed=6), columns_len=96)
     monkeypatch.setattr(triton_quantize, "PAIR_TILE", tile)
     got = kernels.quantize_values_pair(x.to(DEVICE), "nvfp4", backend="triton", **kw)
+    want = kernels.quantize_values_pair(x, "nvfp4", backend="reference", **kw)
+    for g, w in zip(got, want):
+        assert_same_values(g, w)
+
+
+@pytest.mark.parametrize("dtype,hadamard,programs", [(torch.bfloat16, "random", 1), (torch.float32, "te", 1),
+                                                    (torch.bfloat16, "none", 3), (torch.float32, None, 1)])
+def test_a_pair_gives_the_same_bytes_however_many_tiles_a_program_takes(dtype, hadamard, programs, monkeypatch):
+    """Both pair passes take several tiles down the rows a program (the last program's past the
+    padded rows: masked); the amax pass keeps elementwise maxima and applies the rotation's 1/4
+    and bf16 rounding once, to the max. The tensor scales and bytes are the reference's (NaN,
+    Inf, zeros and subnormals in x; the largest rotated value in any of a program's tiles)."""
+    from fp4lab.kernels import quantize as triton_quantize
+    monkeypatch.setattr(triton_quantize, "PAIR_TILE", (32, 32, 2))
+    monkeypatch.setattr(triton_quantize, "PAIR_ITERS", (8, 4))
+    monkeypatch.setattr(triton_quantize, "PAIR_PROGRAMS", programs)
+    monkeypatch.setattr(triton_quantize, "_PAIR_PLANS", PlanTable(8))  # this test's plans alone
+    x = hard_input((150, 64), 8, dtype)
+    x[77, 5] = 3.0e38  # a rotated run that overflows fp32 (left out) ...
+    x[78, 5] = 2.9e38  # ... beside finite ones in the same column
+    x[131, 40] = -1e4  # the largest finite value, in a program's last tiles
+    rot = {} if hadamard is None else dict(hadamard=hadamard, hadamard_seed=6)
+    kw = dict(rows=dict(rounding="stochastic", seed=4), columns=dict(rounding="stochastic", seed=5, **rot),
+              columns_len=160)
+    got = kernels.quantize_values_pair(x.to(DEVICE), "nvfp4", backend="triton", **kw)
+    plans = list(triton_quantize._PAIR_PLANS.values())
+    assert plans and all(p.iters == ((8, 4) if programs == 1 else (4, 4)) for p in plans)  # the loops ran
     want = kernels.quantize_values_pair(x, "nvfp4", backend="reference", **kw)
     for g, w in zip(got, want):
         assert_same_values(g, w)
