@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import json
 import statistics
 import sys
 import time
@@ -34,7 +35,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import environment, one_copy_at_a_time, opaque_ops, save  # noqa: E402
+from benchmarks.common import RESULTS, environment, one_copy_at_a_time, opaque_ops, save  # noqa: E402
 from fp4lab.nn import GPT, model_config, quantize_model  # noqa: E402
 from fp4lab.nn.recipe import preset  # noqa: E402
 from fp4lab.nn.seeds import SeedTable  # noqa: E402
@@ -165,9 +166,18 @@ def main() -> None:
 
 
 def save_rows(args, rows: dict[str, dict]) -> None:
+    """Write the run's rows, keeping the rows of the file there for other modes when it is the same
+    commit's run of the same model and batch on the same device (a table split over several calls
+    of a time-limited machine stays one commit's); a row this run measured replaces its old one."""
     payload = {**environment(), "model": args.model, "batch": args.batch, "seq": args.seq, "rounds": args.rounds,
                "steps_per_round": args.steps, "arms": rows}
     name = "model" if args.model == "d12" else f"model_{args.model.replace('-', '_')}"
+    path = RESULTS / f"{name}.json"
+    same = ("git", "device", "model", "batch", "seq", "rounds", "steps_per_round")
+    old = json.loads(path.read_text()) if path.exists() else {}
+    if payload["git"] != "unknown" and all(old.get(k) == payload[k] for k in same):
+        rows = {**old.get("arms", {}), **rows}
+        payload["arms"] = rows
     keys = {f"{name}_{r['arm'].replace(':', '_')}_step_over_bf16{'' if r['mode'] == 'eager' else '_' + r['mode']}":
             r["over_bf16"]
             for r in rows.values() if r["arm"] != "bf16"}

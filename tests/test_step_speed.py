@@ -44,3 +44,28 @@ def test_main_writes_the_table_beside_the_results(tmp_path, capsys):
     step_speed.main(["--results", str(tmp_path)])
     assert (tmp_path / "step_speed.md").read_text().startswith("# Step speed against the targets")
     assert "| figure | measured |" in capsys.readouterr().out
+
+
+def test_bench_model_keeps_the_other_modes_of_the_same_commits_run(tmp_path, monkeypatch):
+    """bench_model.py split over calls (one mode each, a time-limited machine): the second call's
+    file keeps the first call's modes when the commit, device, model and batch agree, replaces a
+    row it measured again, and starts afresh for another commit."""
+    import argparse
+    bench = importlib.import_module("benchmarks.bench_model")
+    common = importlib.import_module("benchmarks.common")
+    monkeypatch.setattr(bench, "RESULTS", tmp_path)
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    env = {"device": "H100", "torch": "2", "triton": "3", "date": "2026-11-27", "git": "abc1234"}
+    monkeypatch.setattr(bench, "environment", lambda: dict(env))
+    args = argparse.Namespace(model="d12", batch=16, seq=1024, rounds=3, steps=20)
+    row = lambda arm, mode, ms: {f"{arm}/{mode}": {"arm": arm, "mode": mode, "step_ms": ms, "over_bf16": 1.0,
+                                                   "tokens_per_s": 1.0}}
+    bench.save_rows(args, {**row("bf16", "compiled", 36.0), **row("nvfp4", "compiled", 53.0)})
+    bench.save_rows(args, {**row("bf16", "eager", 60.0), **row("nvfp4", "compiled", 50.0)})
+    arms = json.loads((tmp_path / "model.json").read_text())["arms"]
+    assert set(arms) == {"bf16/compiled", "nvfp4/compiled", "bf16/eager"} and arms["nvfp4/compiled"]["step_ms"] == 50.0
+    latest = json.loads((tmp_path / "latest.json").read_text())
+    assert "model_bf16_tokens_per_s_compiled" in latest and "model_bf16_tokens_per_s" in latest
+    env["git"] = "def5678"
+    bench.save_rows(args, row("bf16", "eager", 61.0))
+    assert set(json.loads((tmp_path / "model.json").read_text())["arms"]) == {"bf16/eager"}

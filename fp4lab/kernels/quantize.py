@@ -803,7 +803,10 @@ def _warn_reference() -> None:
 # with RHT for wgrad): 64 x 32 with 4 warps 0.285 ms, the best of seven; 64 x 64 0.342 ms
 PAIR_TILE = (64, 32, 4)
 # tiles a program takes down the rows, per pass (amax, copies): at most PAIR_ITERS, halved while the
-# grid would fall under PAIR_PROGRAMS programs (several per SM on an H100: the pass fills the device)
+# grid would fall under PAIR_PROGRAMS programs (several per SM on an H100: the pass fills the device).
+# benchmarks/sweep_pair.py on an H100 (d20b1ca), a d12 step's pair calls: 12.28 ms at (1, 1), 11.73
+# at (8, 1); looping the copies' pass too was slower (12.39 at (8, 2), 12.91 at (8, 4)): that pass
+# is register-bound at 44-50% occupancy, and a program's tiles run one after another
 PAIR_ITERS, PAIR_PROGRAMS = (8, 1), 1024
 
 
