@@ -808,6 +808,8 @@ PAIR_TILE = (64, 32, 4)
 # at (8, 1); looping the copies' pass too was slower (12.39 at (8, 2), 12.91 at (8, 4)): that pass
 # is register-bound at 44-50% occupancy, and a program's tiles run one after another
 PAIR_ITERS, PAIR_PROGRAMS = (8, 1), 1024
+# registers a thread, per pass (amax, copies): None leaves it to the compiler (benchmarks/sweep_pair.py)
+PAIR_MAXNREG = (None, None)
 
 
 _PAIR_KEYWORDS = frozenset({"rounding", "seed", "profile", "mode", "block", "pad", "hadamard", "hadamard_seed"})
@@ -874,6 +876,7 @@ class _PairPlan:
         m, k = shape
         self._tiles = (cdiv(columns_len, bm), cdiv(k, bk))
         self.iters = tuple(self._iters(most) for most in PAIR_ITERS)  # (the amax pass, the copies' pass)
+        self.registers = tuple({} if n is None else {"maxnreg": n} for n in PAIR_MAXNREG)
         self.options = dict(RULE_R=rules[0], RULE_C=rules[1], BLOCK=16 if self.nvfp4 else MX_BLOCK,
                             STOCHASTIC_R=self.roundings[0] is Rounding.STOCHASTIC,
                             STOCHASTIC_C=self.roundings[1] is Rounding.STOCHASTIC,
@@ -899,7 +902,8 @@ class _PairPlan:
         if bound is None:
             flags = dict(SEED_R_IN_MEMORY=in_memory[0], SEED_C_IN_MEMORY=in_memory[1], H_SEED_IN_MEMORY=in_memory[2])
             bound = self._passes[in_memory] = tuple(
-                (_fp4_pair_kernel.bind(**self.options, AMAX_ONLY=amax_only, ITERS=self.iters[not amax_only], **flags),
+                (_fp4_pair_kernel.bind(**self.options, AMAX_ONLY=amax_only, ITERS=self.iters[not amax_only], **flags,
+                                       **self.registers[not amax_only]),
                  self.grid(self.iters[not amax_only]))
                 for amax_only in ((True, False) if self.nvfp4 else (False,)))
         return bound
@@ -912,7 +916,7 @@ def _pair_plan(x: torch.Tensor, fmt: Format, rows: dict, columns: dict, columns_
     """The call's _PairPlan, or why the pair kernel does not cover it (pair_refusal)."""
     shape = tuple(x.shape)
     try:
-        key = (fmt, shape, x.dtype, columns_len, PAIR_TILE, PAIR_ITERS, PAIR_PROGRAMS, *((k, v) for k, v in rows.items() if k not in _PER_CALL),
+        key = (fmt, shape, x.dtype, columns_len, PAIR_TILE, PAIR_ITERS, PAIR_PROGRAMS, PAIR_MAXNREG, *((k, v) for k, v in rows.items() if k not in _PER_CALL),
                None, *((k, v) for k, v in columns.items() if k not in _PER_CALL))
         plan = _PAIR_PLANS.get(key)
     except TypeError:  # an unhashable keyword value: worked out afresh
