@@ -808,7 +808,9 @@ PAIR_TILE = (64, 32, 4)
 # at (8, 1); looping the copies' pass too was slower (12.39 at (8, 2), 12.91 at (8, 4)): that pass
 # is register-bound at 44-50% occupancy, and a program's tiles run one after another
 PAIR_ITERS, PAIR_PROGRAMS = (8, 1), 1024
-# registers a thread, per pass (amax, copies): None leaves it to the compiler (benchmarks/sweep_pair.py)
+# registers a thread, per pass (amax, copies): None leaves it to the compiler. A cap on the copies'
+# pass (64-67 registers, half occupancy) did not pay on an H100 (62cfe28): 11.79 ms uncapped, 11.84 at
+# 56, 11.92 at 48, 12.65 at 40 (benchmarks/sweep_pair.py)
 PAIR_MAXNREG = (None, None)
 
 
