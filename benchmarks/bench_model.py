@@ -166,9 +166,10 @@ def main() -> None:
 
 
 def save_rows(args, rows: dict[str, dict]) -> None:
-    """Write the run's rows, keeping the rows of the file there for other modes when it is the same
-    commit's run of the same model and batch on the same device (a table split over several calls
-    of a time-limited machine stays one commit's); a row this run measured replaces its old one."""
+    """Write the run's rows, keeping the file's rows of the modes this run did not measure when it
+    is the same commit's run of the same model and batch on the same device (a table split over
+    several calls of a time-limited machine stays one commit's). A mode is kept or replaced whole:
+    its ratios are within one run."""
     payload = {**environment(), "model": args.model, "batch": args.batch, "seq": args.seq, "rounds": args.rounds,
                "steps_per_round": args.steps, "arms": rows}
     name = "model" if args.model == "d12" else f"model_{args.model.replace('-', '_')}"
@@ -176,11 +177,12 @@ def save_rows(args, rows: dict[str, dict]) -> None:
     same = ("git", "device", "model", "batch", "seq", "rounds", "steps_per_round")
     old = json.loads(path.read_text()) if path.exists() else {}
     if payload["git"] != "unknown" and all(old.get(k) == payload[k] for k in same):
-        rows = {**old.get("arms", {}), **rows}
+        modes = {r["mode"] for r in rows.values()}
+        rows = {**{k: r for k, r in old.get("arms", {}).items() if r["mode"] not in modes}, **rows}
         payload["arms"] = rows
     keys = {f"{name}_{r['arm'].replace(':', '_')}_step_over_bf16{'' if r['mode'] == 'eager' else '_' + r['mode']}":
             r["over_bf16"]
-            for r in rows.values() if r["arm"] != "bf16"}
+            for r in rows.values() if r["arm"] != "bf16" and r["over_bf16"] is not None}
     for r in rows.values():  # BF16's own speed in each mode: the baseline as users run it
         if r["arm"] == "bf16":
             keys[f"{name}_bf16_tokens_per_s{'' if r['mode'] == 'eager' else '_' + r['mode']}"] = r["tokens_per_s"]

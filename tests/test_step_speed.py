@@ -47,9 +47,10 @@ def test_main_writes_the_table_beside_the_results(tmp_path, capsys):
 
 
 def test_bench_model_keeps_the_other_modes_of_the_same_commits_run(tmp_path, monkeypatch):
-    """bench_model.py split over calls (one mode each, a time-limited machine): the second call's
-    file keeps the first call's modes when the commit, device, model and batch agree, replaces a
-    row it measured again, and starts afresh for another commit."""
+    """bench_model.py split over calls (a time-limited machine): the second call's file keeps the
+    first call's modes when the commit, device, model and batch agree; a mode measured again is
+    replaced whole (a ratio never divides two runs' times), a missing ratio writes no key, and
+    another commit starts afresh."""
     import argparse
     bench = importlib.import_module("benchmarks.bench_model")
     common = importlib.import_module("benchmarks.common")
@@ -58,14 +59,50 @@ def test_bench_model_keeps_the_other_modes_of_the_same_commits_run(tmp_path, mon
     env = {"device": "H100", "torch": "2", "triton": "3", "date": "2026-11-27", "git": "abc1234"}
     monkeypatch.setattr(bench, "environment", lambda: dict(env))
     args = argparse.Namespace(model="d12", batch=16, seq=1024, rounds=3, steps=20)
-    row = lambda arm, mode, ms: {f"{arm}/{mode}": {"arm": arm, "mode": mode, "step_ms": ms, "over_bf16": 1.0,
-                                                   "tokens_per_s": 1.0}}
-    bench.save_rows(args, {**row("bf16", "compiled", 36.0), **row("nvfp4", "compiled", 53.0)})
-    bench.save_rows(args, {**row("bf16", "eager", 60.0), **row("nvfp4", "compiled", 50.0)})
+    row = lambda arm, mode, ms, ratio=1.5: {f"{arm}/{mode}": {"arm": arm, "mode": mode, "step_ms": ms,
+                                                               "over_bf16": ratio, "tokens_per_s": 1.0}}
+    bench.save_rows(args, {**row("bf16", "compiled", 36.0), **row("nvfp4", "compiled", 54.0),
+                           **row("bf16", "eager", 60.0), **row("nvfp4", "eager", 100.0)})
+    bench.save_rows(args, {**row("nvfp4", "compiled", 60.0, None), **row("bf16", "graphed", 50.0)})
     arms = json.loads((tmp_path / "model.json").read_text())["arms"]
-    assert set(arms) == {"bf16/compiled", "nvfp4/compiled", "bf16/eager"} and arms["nvfp4/compiled"]["step_ms"] == 50.0
+    assert set(arms) == {"nvfp4/compiled", "bf16/eager", "nvfp4/eager", "bf16/graphed"}  # compiled: this run's
     latest = json.loads((tmp_path / "latest.json").read_text())
-    assert "model_bf16_tokens_per_s_compiled" in latest and "model_bf16_tokens_per_s" in latest
+    assert latest["model_nvfp4_step_over_bf16"] == 1.5 and "model_bf16_tokens_per_s_graphed" in latest
+    assert latest["model_nvfp4_step_over_bf16_compiled"] == 1.5  # the first call's key, not overwritten by None
+    compiled = _row(step_speed.table(tmp_path), "d12 step, compiled, against compiled BF16")
+    assert compiled[1] == "not measured"  # no ratio of two runs' times
     env["git"] = "def5678"
     bench.save_rows(args, row("bf16", "eager", 61.0))
     assert set(json.loads((tmp_path / "model.json").read_text())["arms"]) == {"bf16/eager"}
+
+
+def test_the_pair_sweeps_d12_mix_is_a_d12_steps_pair_calls(monkeypatch):
+    """benchmarks/sweep_pair.py weights its per-shape times by D12_CALLS: one CPU step of d12
+    under the nvfp4 preset (a short sequence: the calls do not depend on the tokens) makes those
+    pair calls, with the settings the sweep times (x: RTNE rows, TE-sign RHT columns; dy: SR both)."""
+    import collections
+    import torch
+    from fp4lab import kernels
+    from fp4lab.formats.hadamard import HadamardSigns
+    from fp4lab.formats.types import Rounding
+    from fp4lab.nn import GPT, model_config, quantize_model
+    from fp4lab.nn.recipe import preset
+    sweep = importlib.import_module("benchmarks.sweep_pair")
+    calls, real = collections.Counter(), kernels.quantize_values_pair
+
+    def counted(x, fmt, **kw):
+        sr = Rounding.parse(kw["rows"].get("rounding", "rtne")) is Rounding.STOCHASTIC
+        tensor = "dy" if sr else "x"
+        rows, columns = sweep.SETTINGS[tensor]
+        assert HadamardSigns.parse(kw["columns"]["hadamard"]) is HadamardSigns.parse(columns["hadamard"])
+        assert (Rounding.parse(kw["columns"].get("rounding", "rtne")) is Rounding.STOCHASTIC) == sr
+        calls[(tensor, x.shape[1])] += 1
+        return real(x, fmt, **kw)
+    monkeypatch.setattr(kernels, "quantize_values_pair", counted)
+    torch.manual_seed(0)
+    model = GPT(model_config("d12", seq_len=16))
+    quantize_model(model, preset("nvfp4"))
+    tokens = torch.randint(0, 1000, (1, 17))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(tokens[:, :-1], tokens[:, 1:]).backward()
+    assert dict(calls) == sweep.D12_CALLS

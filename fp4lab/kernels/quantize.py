@@ -887,9 +887,10 @@ class _PairPlan:
         self._passes: dict[tuple[bool, bool, bool], tuple] = {}
 
     def _iters(self, most: int) -> int:
-        """Tiles a program: up to ``most``, doubled while the grid keeps PAIR_PROGRAMS programs."""
+        """Tiles a program: a power of two up to ``most``, doubled while the grid keeps PAIR_PROGRAMS
+        programs."""
         iters = 1
-        while iters < most and cdiv(self._tiles[0], 2 * iters) * self._tiles[1] >= PAIR_PROGRAMS:
+        while 2 * iters <= most and cdiv(self._tiles[0], 2 * iters) * self._tiles[1] >= PAIR_PROGRAMS:
             iters *= 2
         return iters
 

@@ -653,7 +653,7 @@ def test_a_pair_gives_the_same_bytes_however_many_tiles_a_program_takes(dtype, h
     x = hard_input((150, 64), 8, dtype)
     x[77, 5] = 3.0e38  # a rotated run that overflows fp32 (left out) ...
     x[78, 5] = 2.9e38  # ... beside finite ones in the same column
-    x[131, 40] = -1e4  # the largest finite value, in a program's last tiles
+    x[131, 40] = -3.3e38  # the largest finite value (both amaxes), in a program's last tiles
     rot = {} if hadamard is None else dict(hadamard=hadamard, hadamard_seed=6)
     kw = dict(rows=dict(rounding="stochastic", seed=4), columns=dict(rounding="stochastic", seed=5, **rot),
               columns_len=160)

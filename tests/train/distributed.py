@@ -7,6 +7,7 @@ import sys
 
 from ..checkout import ROOT, subprocess_env
 
+
 def torchrun(n: int, *args: str, timeout: float = 300) -> None:
     """``torchrun --standalone --nproc_per_node n ARGS`` (a free port, one thread per rank);
     AssertionError with the end of its stderr if it fails."""
