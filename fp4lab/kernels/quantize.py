@@ -804,13 +804,14 @@ def _warn_reference() -> None:
 PAIR_TILE = (64, 32, 4)
 # tiles a program takes down the rows, per pass (amax, copies): at most PAIR_ITERS, halved while the
 # grid would fall under PAIR_PROGRAMS programs (several per SM on an H100: the pass fills the device).
-# benchmarks/sweep_pair.py on an H100 (d20b1ca), a d12 step's pair calls: 12.28 ms at (1, 1), 11.73
-# at (8, 1); looping the copies' pass too was slower (12.39 at (8, 2), 12.91 at (8, 4)): that pass
-# is register-bound at 44-50% occupancy, and a program's tiles run one after another
+# benchmarks/sweep_pair.py on an H100 (d20b1ca; random signs): (8, 1) against (1, 1) took the x pair
+# at 16384 x 2304 from 158.4 to 149.1 us, dy from 209.8 to 200.5 (768 wide: 58.2 -> 56.9, 77.1 ->
+# 75.8); looping the copies' pass too was slower (summed over the shapes: 2 tiles +6%, 4 tiles +10%
+# against one): that pass is register-bound at 44-50% occupancy, and a program's tiles run in turn
 PAIR_ITERS, PAIR_PROGRAMS = (8, 1), 1024
 # registers a thread, per pass (amax, copies): None leaves it to the compiler. A cap on the copies'
-# pass (64-67 registers, half occupancy) did not pay on an H100 (62cfe28): 11.79 ms uncapped, 11.84 at
-# 56, 11.92 at 48, 12.65 at 40 (benchmarks/sweep_pair.py)
+# pass (64-67 registers, half occupancy) did not pay on an H100 (62cfe28; the sweep's shapes summed):
+# +0.4% at 56, +0.9% at 48, +8.2% at 40 against none (benchmarks/sweep_pair.py)
 PAIR_MAXNREG = (None, None)
 
 
