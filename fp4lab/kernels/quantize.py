@@ -920,7 +920,8 @@ def _pair_plan(x: torch.Tensor, fmt: Format, rows: dict, columns: dict, columns_
     """The call's _PairPlan, or why the pair kernel does not cover it (pair_refusal)."""
     shape = tuple(x.shape)
     try:
-        key = (fmt, shape, x.dtype, columns_len, PAIR_TILE, PAIR_ITERS, PAIR_PROGRAMS, PAIR_MAXNREG, *((k, v) for k, v in rows.items() if k not in _PER_CALL),
+        key = (fmt, shape, x.dtype, columns_len, PAIR_TILE, PAIR_ITERS, PAIR_PROGRAMS, PAIR_MAXNREG,
+               *((k, v) for k, v in rows.items() if k not in _PER_CALL),
                None, *((k, v) for k, v in columns.items() if k not in _PER_CALL))
         plan = _PAIR_PLANS.get(key)
     except TypeError:  # an unhashable keyword value: worked out afresh
