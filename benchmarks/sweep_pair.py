@@ -58,9 +58,10 @@ def name(choice: tuple) -> str:
     return f"iters{amax}x{copies}" + ("" if choice[1] == (None, None) else f"_regs{r_amax or '-'}x{r_copies or '-'}")
 
 
-def time_choice(choice: tuple, inputs: dict, results: dict) -> float | None:
-    """Times every shape and tensor under ``choice`` into ``results``; -> the d12 step's pair time
-    in ms, or None where the choice does not compile (a register cap the compiler refuses, say)."""
+def time_choice(choice: tuple, inputs: dict, wants: dict, results: dict) -> float | None:
+    """Times every shape and tensor under ``choice`` into ``results``, its bytes checked against
+    ``wants`` (the first choice's pairs); -> the d12 step's pair time in ms, or None where the
+    choice does not compile (a register cap the compiler refuses, say)."""
     step = 0.0
     for shape, x in inputs.items():
         for tensor in SETTINGS:
@@ -70,7 +71,7 @@ def time_choice(choice: tuple, inputs: dict, results: dict) -> float | None:
             except Exception as exc:  # noqa: BLE001 (reported, and the sweep goes on)
                 print(f"{name(choice)}: {type(exc).__name__}: {exc}", flush=True)
                 return None
-            want = with_choice(CHOICES[0], lambda: pair(x, tensor))
+            want = wants[shape, tensor]
             same = all(torch.equal(g.values, w.values) and torch.equal(g.tensor_scale, w.tensor_scale)
                        for g, w in zip(got, want))
             key = f"{tensor}_{shape[0]}x{shape[1]}_{name(choice)}"
@@ -83,9 +84,11 @@ def time_choice(choice: tuple, inputs: dict, results: dict) -> float | None:
 def main() -> None:
     shapes = sorted({(TOKENS, w) for _, w in D12_CALLS} | {(8192, 4096)})
     inputs = {s: torch.randn(s, device="cuda", dtype=torch.bfloat16) for s in shapes}
+    wants = {(shape, tensor): with_choice(CHOICES[0], lambda: pair(x, tensor))
+             for shape, x in inputs.items() for tensor in SETTINGS}
     results, step_ms = {}, {}
     for choice in CHOICES:
-        step = time_choice(choice, inputs, results)
+        step = time_choice(choice, inputs, wants, results)
         if step is not None:
             step_ms[name(choice)] = step
             print(f"{name(choice)}: a d12 step's pair calls {step:.2f} ms", flush=True)

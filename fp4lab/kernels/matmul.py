@@ -447,22 +447,28 @@ class _DensePlan:
             # aligned in their allocations (which Inductor aligns); else the pointer kernel
             if self.persistent and (a.storage_offset() * a.element_size()) % 16 == 0 and (
                     b.storage_offset() * b.element_size()) % 16 == 0:
-                self.traced[self.tma_grid](a, b, out, alpha, beta, m, n, k, out.stride(0), out.stride(1),
-                                           self.tma_grid[0], a.stride(0), b.stride(1 if self.b_kn else 0))
+                self._persistent(self.traced, a, b, a, b, out, alpha, beta)
                 return
         elif self.tma is not None and a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0:
             descriptor = _tma_descriptor()
             a_desc = descriptor.from_tensor(a, self.blocks[0])
             b_desc = descriptor.from_tensor(b.t() if self.b_kn else b, self.blocks[1])
             if self.persistent:
-                self.tma[self.tma_grid](a_desc, b_desc, out, alpha, beta, m, n, k, out.stride(0), out.stride(1),
-                                        self.tma_grid[0], a.stride(0), b.stride(1 if self.b_kn else 0))
+                self._persistent(self.tma, a_desc, b_desc, a, b, out, alpha, beta)
             else:
                 self.tma[self.tma_grid](a_desc, b_desc, out, alpha, beta, a, a, a, m, n, k, out.stride(0),
                                         out.stride(1), 0, 0)
             return
         self.pointer[self.pointer_grid](a, b, out, alpha, beta, a, a, a, m, n, k, a.stride(0), a.stride(1), 0,
                                         b.stride(-2), b.stride(-1), out.stride(0), out.stride(1), 0)
+
+    def _persistent(self, kernel, a_arg, b_arg, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
+                    alpha: torch.Tensor, beta: torch.Tensor) -> None:
+        """One launch of the persistent GEMM (bound ``kernel``, host- or device-descriptor form),
+        whose operands are ``a_arg`` and ``b_arg``: host descriptors, or the matrices themselves."""
+        m, n, k = self.mnk
+        kernel[self.tma_grid](a_arg, b_arg, out, alpha, beta, m, n, k, out.stride(0), out.stride(1),
+                              self.tma_grid[0], a.stride(0), b.stride(1 if self.b_kn else 0))
 
 
 _DENSE_PLANS = PlanTable(512)  # key -> _DensePlan

@@ -254,7 +254,8 @@ def _rotated_amax_bits(m, RULE: tl.constexpr, ROUND_BF16: tl.constexpr, N: tl.co
 @triton.jit
 def _rotated_finite_max_bits(x, seed, RULE: tl.constexpr, ROUND_BF16: tl.constexpr, BR: tl.constexpr,
                              NB: tl.constexpr, N: tl.constexpr):
-    """x: [BR, NB, N] -> _finite_max_bits of x rotated as the rule says (NO_ROTATION: x itself)."""
+    """x: [BR, NB, N] -> int32 bits of the largest finite |value| of x rotated as the rule says
+    (NO_ROTATION: x itself; 0 if none): the tile's share of a tensor amax, folded in with an atomic max."""
     return _rotated_amax_bits(tl.max(_rotated_run_bits(x, seed, RULE, ROUND_BF16, BR, NB, N)), RULE, ROUND_BF16, N)
 
 
@@ -264,13 +265,6 @@ def _finite_abs_bits(x):
     their bits, so a max of these is the bits of the largest finite |x|)."""
     bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
     return tl.where(bits < 0x7F800000, bits, 0)
-
-
-@triton.jit
-def _finite_max_bits(x):
-    """x: fp32 tile (any rank) -> int32 bits of its largest finite |x| (0 if none): the tile's share
-    of a tensor amax, folded in with an atomic max."""
-    return tl.max(_finite_abs_bits(x))
 
 
 @triton.jit
