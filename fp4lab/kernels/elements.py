@@ -15,7 +15,10 @@ are byte-identical to fp4lab.formats (tested exhaustively under TRITON_INTERPRET
                           (v + c) - c with c the power of two whose fp32 step is the grid's step
                           at v (2^22 below 2, 2^23, 2^24). Stochastic: for v >= 1 the bits plus
                           0x3FFFFF - (r << 14), the dropped 22 cleared (the carry is the round up);
-                          below 1, up iff 512 v > r + 256 [v >= .5]
+                          below 1 the same on 1 + v rounded up (its dropped bits are ceil(frac(2v)
+                          2^22)), less 1; e2m1_stochastic reads the code off the same bits. The
+                          rounded-up add is one add.rp on an NVIDIA GPU, its exact integer twin
+                          elsewhere
     e4m3_rtne(y)          0 <= y <= 448 fp32 -> E4M3 byte, codes._encode_magnitude in int32
     e4m3_value(b)         E4M3 byte -> fp32 (exact, from the bit fields); both by the GPU's
                           conversion instructions when compiled for sm_89+ (e4m3_instructions),
@@ -75,12 +78,11 @@ def e2m1_rtne(v):
 @triton.jit
 def e2m1_stochastic(v, r):
     """v: fp32 magnitudes in [0, 6]; r: int32 random bytes -> int32 codes 0..7."""
-    bits = v.to(tl.int32, bitcast=True)
-    normal = (bits >> 22) - 252 + ((r << 14) < (bits & 0x3FFFFF)).to(tl.int32)
-    twice = v * 2.0
-    lo = (twice >= 1.0).to(tl.int32)
-    subnormal = lo + (r.to(tl.float32) < (twice - lo.to(tl.float32)) * 256.0).to(tl.int32)
-    return tl.where(bits >= 0x3F800000, normal, subnormal)
+    # e2m1_stochastic_value's rounding (below 1, on 1 + v rounded up), the code read off the bits:
+    # 1, 1.5, 2 (0 .. 1 shifted by 1) are 254 .. 256 in bits >> 22, and 1 .. 6 are codes 2 .. 7
+    small = v < 1.0
+    w = tl.where(small, _one_plus_rounded_up(v), v.to(tl.int32, bitcast=True))
+    return ((w + (0x3FFFFF - (r << 14))) >> 22) - tl.where(small, 254, 252)
 
 
 @triton.jit
@@ -97,14 +99,47 @@ def e2m1_rtne_value(v):
 def e2m1_stochastic_value(v, r):
     """v: fp32 magnitudes in [0, 6]; r: int32 random bytes -> fp32 e2m1_value(e2m1_stochastic(v, r))."""
     bits = v.to(tl.int32, bitcast=True)
-    # v >= 1: up iff (r << 14) < the dropped 22 bits, i.e. iff adding 0x3FFFFF - (r << 14) carries
-    # into bit 22 (a carry out of the significand makes the next power of 2)
-    normal = ((bits + (0x3FFFFF - (r << 14))) & -0x400000).to(tl.float32, bitcast=True)
-    # v < 1: up iff r < frac(2v) * 256, i.e. iff 512 v > r + 256 [v >= .5] (512 v is exact)
-    half = v >= 0.5
-    up = v * 512.0 > (r | tl.where(half, 256, 0)).to(tl.float32)
-    subnormal = tl.where(up, tl.where(half, 1.0, 0.5), tl.where(half, 0.5, 0.0))
-    return tl.where(bits >= 0x3F800000, normal, subnormal)
+    # below 1 the grid (0, .5, 1) is that of 1 + v on [1, 2] less 1, and the dropped 22 bits of
+    # 1 + v are frac(2v) 2^22: exactly so if 1 + v is rounded up (ceil(f) > n iff f > n for an
+    # integer n = r << 14; a carry into the kept bit comes only where f > 2^22 - 1, an up anyway)
+    small = bits < 0x3F800000  # (v < 1)
+    w = tl.where(small, _one_plus_rounded_up(v), bits)
+    # up iff (r << 14) < the dropped 22 bits, i.e. iff adding 0x3FFFFF - (r << 14) carries into
+    # bit 22 (a carry out of the significand makes the next power of 2)
+    q = ((w + (0x3FFFFF - (r << 14))) & -0x400000).to(tl.float32, bitcast=True)
+    return tl.where(small, q - 1.0, q)
+
+
+@triton.jit
+def _one_plus_rounded_up(v):
+    """v: fp32 in [0, 1) -> the int32 bits of 1 + v rounded toward +infinity: one add.rp on an
+    NVIDIA GPU; elsewhere the nearest sum's bits, plus one where it fell below (its error, exact
+    by Fast2Sum as 1 >= v, positive)."""
+    if _rounded_add():
+        return tl.inline_asm_elementwise("add.rp.f32 $0, $1, 0f3F800000;", "=r,r", [v], dtype=tl.int32,
+                                         is_pure=True, pack=1)
+    return _one_plus_rounded_up_integer(v)
+
+
+@triton.jit
+def _one_plus_rounded_up_integer(v):
+    """_one_plus_rounded_up from the nearest sum and its (exact) error."""
+    y = v + 1.0
+    below = (v - (y - 1.0)) > 0
+    return y.to(tl.int32, bitcast=True) + below.to(tl.int32)
+
+
+@constexpr_function
+def _rounded_add() -> bool:
+    """Whether this compile's target is an NVIDIA GPU (PTX's directed-rounding add); the
+    interpreter, other backends and a driver that cannot say take the exact integer form."""
+    if not HARDWARE_CONVERT.value:
+        return False
+    try:
+        target = current_target()
+    except RuntimeError:
+        return False
+    return target is None or target.backend == "cuda"
 
 
 @triton.jit

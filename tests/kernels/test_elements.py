@@ -8,7 +8,8 @@ import triton.language as tl  # noqa: E402
 
 from fp4lab.formats import codes as C  # noqa: E402
 from fp4lab.formats.rng import philox4x32, random_bytes  # noqa: E402
-from fp4lab.kernels.elements import (_e4m3_rtne_integer, _e4m3_value_integer, e2m1_rtne,  # noqa: E402
+from fp4lab.kernels.elements import (_e4m3_rtne_integer, _e4m3_value_integer,  # noqa: E402
+                                     _one_plus_rounded_up, _one_plus_rounded_up_integer, e2m1_rtne,
                                      e2m1_rtne_value, e2m1_stochastic, e2m1_stochastic_value, e4m3_rtne,
                                      e4m3_value, philox_bytes, to_bf16_rtne)
 
@@ -97,6 +98,46 @@ def test_grid_values_are_the_decoded_codes():
     _grid_values_kernel[(triton.cdiv(n, 4096),)](v.to(DEVICE), r.to(DEVICE), rtne, sr, n, BLOCK=4096)
     assert torch.equal(rtne.cpu(), C.decode_e2m1(C.encode_e2m1(v)))
     assert torch.equal(sr.cpu(), C.decode_e2m1(C.encode_e2m1(v, r)))
+
+
+def test_stochastic_rounding_below_1_at_its_thresholds():
+    """Below 1, SR rounds up iff 512 v > r + 256 [v >= .5]; the kernels decide it on 1 + v rounded up,
+    whose last bits are where fp32's 1 + v loses v's: every threshold (r + 256 h) / 512 and its fp32
+    neighbours one, two and 2^20 steps either side, against every byte, and the smallest values."""
+    k = torch.arange(512, dtype=torch.float32) / 512
+    steps = [k]
+    for n in (1, 2, 1 << 20):
+        up, down = k.view(torch.int32) + n, (k.view(torch.int32) - n).clamp(min=0)
+        steps += [up.view(torch.float32), down.view(torch.float32)]
+    tiny = torch.tensor([1, 2, 3, 0x7FFFFF, 0x800000, 0x800001], dtype=torch.int32).view(torch.float32)
+    v = torch.cat(steps + [tiny])
+    v = v[v < 1].unique()
+    x, r = v.repeat_interleave(256), torch.arange(256, dtype=torch.uint8).repeat(v.numel())
+    n = x.numel()
+    rtne, sr = (torch.empty(n, device=DEVICE) for _ in range(2))
+    _grid_values_kernel[(triton.cdiv(n, 4096),)](x.to(DEVICE), r.to(DEVICE), rtne, sr, n, BLOCK=4096)
+    assert torch.equal(sr.cpu(), C.decode_e2m1(C.encode_e2m1(x, r)))
+    _, codes, *_ = run_codes(x, r)
+    assert torch.equal(codes, C.encode_e2m1(x, r).int())
+
+
+@triton.jit
+def _rounded_up_forms_kernel(mismatch_ptr, n, BLOCK: tl.constexpr):
+    """Counts the fp32 patterns 0 .. n - 1 where the add.rp form of 1 + v differs from its integer twin."""
+    bits = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    v = bits.to(tl.float32, bitcast=True)
+    bad = (_one_plus_rounded_up(v) != _one_plus_rounded_up_integer(v)) & (bits < n)
+    tl.atomic_add(mismatch_ptr, tl.sum(bad.to(tl.int32)))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the directed-rounding add exists on a GPU only")
+def test_the_gpus_rounded_up_add_is_the_integer_form_on_every_fp32_below_1():
+    """Compiled for a GPU, SR below 1 takes 1 + v from one add.rp; the integer form (what the
+    interpreter runs, tested against the reference above) must agree on every v in [0, 1)."""
+    n = 0x3F800000  # fp32(1)'s bits, exclusive
+    mismatch = torch.zeros(1, dtype=torch.int32, device="cuda")
+    _rounded_up_forms_kernel[(triton.cdiv(n, 1024),)](mismatch, n, BLOCK=1024)
+    assert int(mismatch) == 0
 
 
 def test_philox_bytes_match_rng():
