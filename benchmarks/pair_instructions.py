@@ -36,7 +36,7 @@ from benchmarks.common import environment, save  # noqa: E402
 from fp4lab.formats.types import Format  # noqa: E402
 from fp4lab.kernels import quantize  # noqa: E402
 
-SIZES = ("M", "K", "MP", "stride_m", "zero")  # the int arguments a real launch has as multiples of 16
+SIZES = ("M", "K", "MP", "stride_m")  # the int arguments a real launch has as multiples of 16
 PAIRS = {"x": ({}, dict(hadamard="random", hadamard_seed=2)),
          "dy": (dict(rounding="stochastic", seed=1), dict(rounding="stochastic", seed=3, hadamard="random",
                                                           hadamard_seed=2))}
