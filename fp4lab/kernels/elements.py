@@ -21,8 +21,8 @@ are byte-identical to fp4lab.formats (tested exhaustively under TRITON_INTERPRET
                           elsewhere
     e4m3_rtne(y)          0 <= y <= 448 fp32 -> E4M3 byte, codes._encode_magnitude in int32
     e4m3_value(b)         E4M3 byte -> fp32 (exact, from the bit fields); both by the GPU's
-                          conversion instructions when compiled for sm_89+ (e4m3_instructions),
-                          the integer forms elsewhere and interpreted
+                          conversion instructions when compiled for sm_89+ (compile_arch), the
+                          integer forms elsewhere and interpreted
     e2m1_value(c)         E2M1 nibble -> fp32;  scale_value(b, NVFP4): E4M3 / UE8M0 byte -> fp32
     philox_bytes(seed, g) Philox4x32-10 of counter g -> the 16 bytes of group g (rng.py's layout)
     widen(x, BF16_BITS)   loaded input (bf16 as int16 bits) -> fp32, exactly
@@ -41,29 +41,26 @@ import os
 
 import triton
 import triton.language as tl
-from triton.language.target_info import current_target
-from triton.runtime.jit import constexpr_function
 
 # compiled for a GPU (not run by Triton's interpreter): hardware conversions round as the spec does
 # (bf16 and E4M3, nearest even); the interpreter runs the integer forms (its bf16 cast truncates)
 HARDWARE_CONVERT = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 
 
-@constexpr_function
-def e4m3_instructions() -> bool:
-    """Whether this compile's target converts E4M3 in hardware: compiled (HARDWARE_CONVERT) for
-    NVIDIA sm_89 or later (Ada, Hopper, Blackwell; PTX 7.8's cvt e4m3x2). Older GPUs and other
-    backends take the integer forms. No active driver (an offline compile on a machine without a
-    GPU, e.g. tests/kernels/hopper_compile.py for sm_90) counts as a target that has them. A
-    driver that cannot say (Inductor's compile workers, forked, cannot initialize CUDA: a traced
-    op's kernels, nn.ops) counts as one without: the integer forms, the same bytes."""
-    if not HARDWARE_CONVERT.value:
-        return False
-    try:
-        target = current_target()
-    except RuntimeError:
-        return False
-    return target is None or (target.backend == "cuda" and target.arch >= 89)
+def compile_arch(_semantic=None):
+    """The NVIDIA compute capability this compile is for (90 for sm_90; a constexpr), 0 for other
+    backends and interpreted. Read from the compile's own options, not from the active driver: the
+    driver is the current device's (a CPU machine compiling for sm_90 has none), and Inductor's
+    compile workers, which compile a traced op's kernels (nn.ops), cannot ask theirs. (A Triton
+    builtin, as triton.language.target_info's are: the compiler passes it its semantic.)"""
+    options = getattr(getattr(_semantic, "builder", None), "options", None)
+    arch = getattr(options, "arch", None)
+    if not HARDWARE_CONVERT.value or not isinstance(arch, str) or not arch.startswith("sm"):
+        return tl.constexpr(0)
+    return tl.constexpr(int("".join(c for c in arch[2:] if c.isdigit())))
+
+
+compile_arch.__triton_builtin__ = True
 
 
 @triton.jit
@@ -115,7 +112,7 @@ def _one_plus_rounded_up(v):
     """v: fp32 in [0, 1) -> the int32 bits of 1 + v rounded toward +infinity: one add.rp on an
     NVIDIA GPU; elsewhere the nearest sum's bits, plus one where it fell below (its error, exact
     by Fast2Sum as 1 >= v, positive)."""
-    if _rounded_add():
+    if compile_arch() > 0:
         return tl.inline_asm_elementwise("add.rp.f32 $0, $1, 0f3F800000;", "=r,r", [v], dtype=tl.int32,
                                          is_pure=True, pack=1)
     return _one_plus_rounded_up_integer(v)
@@ -129,26 +126,13 @@ def _one_plus_rounded_up_integer(v):
     return y.to(tl.int32, bitcast=True) + below.to(tl.int32)
 
 
-@constexpr_function
-def _rounded_add() -> bool:
-    """Whether this compile's target is an NVIDIA GPU (PTX's directed-rounding add); the
-    interpreter, other backends and a driver that cannot say take the exact integer form."""
-    if not HARDWARE_CONVERT.value:
-        return False
-    try:
-        target = current_target()
-    except RuntimeError:
-        return False
-    return target is None or target.backend == "cuda"
-
-
 @triton.jit
 def e4m3_rtne(y):
     """y: fp32 in [0, 448], finite -> int32 E4M3 bytes 0..0x7E (round to nearest even). On a GPU
     its conversion instruction (cvt.rn.satfinite.e4m3x2.f32, inline); interpreted, the integer form."""
-    if e4m3_instructions():  # one value a conversion, in the low byte: Triton's own fp8 cast (which
-        # converts values in pairs) gave wrong bytes for a transposed bf16 tile's block scales on an
-        # H100 (git d60a7ac, benchmarks/results/e4m3_forms_h100.log)
+    if compile_arch() >= 89:  # PTX 7.8's cvt e4m3x2 (Ada, Hopper, Blackwell), one value a conversion,
+        # in the low byte: Triton's own fp8 cast (which converts values in pairs) gave wrong bytes for
+        # a transposed bf16 tile's block scales on an H100 (git d60a7ac, benchmarks/results/e4m3_forms_h100.log)
         return tl.inline_asm_elementwise(
             "{ .reg .b16 t; cvt.rn.satfinite.e4m3x2.f32 t, 0f00000000, $1; cvt.u32.u16 $0, t; }",
             "=r,r", [y], dtype=tl.int32, is_pure=True, pack=1)
@@ -175,7 +159,7 @@ def _e4m3_rtne_integer(y):
 @triton.jit
 def e4m3_value(b):
     """b: int32 E4M3 bytes (NaN excluded) -> fp32 values (exact: on a GPU by its conversion)."""
-    if e4m3_instructions():  # the byte's value through f16 (exact), one value a conversion (as above)
+    if compile_arch() >= 89:  # the byte's value through f16 (exact), one value a conversion (as above)
         return tl.inline_asm_elementwise(
             "{ .reg .b16 lo, hi, c; .reg .b32 h; cvt.u16.u32 c, $1; cvt.rn.f16x2.e4m3x2 h, c; "
             "mov.b32 {lo, hi}, h; cvt.f32.f16 $0, lo; }",
