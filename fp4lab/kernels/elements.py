@@ -41,26 +41,41 @@ import os
 
 import triton
 import triton.language as tl
+from triton.runtime.jit import constexpr_function
 
 # compiled for a GPU (not run by Triton's interpreter): hardware conversions round as the spec does
 # (bf16 and E4M3, nearest even); the interpreter runs the integer forms (its bf16 cast truncates)
 HARDWARE_CONVERT = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 
 
-def compile_arch(_semantic=None):
-    """The NVIDIA compute capability this compile is for (90 for sm_90; a constexpr), 0 for other
-    backends and interpreted. Read from the compile's own options, not from the active driver: the
-    driver is the current device's (a CPU machine compiling for sm_90 has none), and Inductor's
-    compile workers, which compile a traced op's kernels (nn.ops), cannot ask theirs. (A Triton
-    builtin, as triton.language.target_info's are: the compiler passes it its semantic.)"""
-    options = getattr(getattr(_semantic, "builder", None), "options", None)
-    arch = getattr(options, "arch", None)
-    if not HARDWARE_CONVERT.value or not isinstance(arch, str) or not arch.startswith("sm"):
-        return tl.constexpr(0)
-    return tl.constexpr(int("".join(c for c in arch[2:] if c.isdigit())))
+@constexpr_function
+def compile_arch() -> int:
+    """The NVIDIA compute capability this compile is for (90 for sm_90), 0 for other backends and
+    interpreted. Read from the compile's own options (the code generator's, up the stack: a
+    constexpr function is called while it runs), not first from the active driver: the driver is
+    the current device's, and Inductor's compile workers, which compile the traced ops' kernels
+    (nn.ops), have no device to ask. Where no code generator is found it asks the driver: none
+    active (an offline compile) counts as sm_90, one that cannot say as no NVIDIA target (the
+    integer forms: the same bytes, more instructions). Self-contained: Inductor copies a constexpr
+    function's source into the kernel module its workers compile."""
+    import sys
 
-
-compile_arch.__triton_builtin__ = True
+    from triton.language.target_info import current_target
+    if not HARDWARE_CONVERT.value:
+        return 0
+    frame = sys._getframe(1)
+    while frame is not None:
+        arch = getattr(getattr(getattr(frame.f_locals.get("self"), "builder", None), "options", None), "arch", None)
+        if isinstance(arch, str):
+            return int("".join(c for c in arch[2:] if c.isdigit())) if arch.startswith("sm") else 0
+        frame = frame.f_back
+    try:
+        target = current_target()
+    except RuntimeError:
+        return 0
+    if target is None:
+        return 90
+    return target.arch if target.backend == "cuda" else 0
 
 
 @triton.jit
