@@ -1,6 +1,6 @@
 """PTX instructions a thread of the pair kernel's launches, compiled for an H100 on the CPU.
 
-    python benchmarks/pair_instructions.py [--tile 64,32,4] [--programs N] [--no-save]
+    python benchmarks/pair_instructions.py [--tile 64,32,4] [--programs N] [--lines N] [--no-save]
 
 Quantizes a linear's x (rows RTNE, columns random-sign RHT) and dy (both SR) pairs through
 kernels.quantize.block_values_pair with Triton's launch replaced by tests/kernels/hopper_compile.py's
@@ -8,7 +8,8 @@ recorder, then compiles each launch for sm_90 (no GPU, no TRITON_INTERPRET) with
 real launch of these shapes is specialized on (pointers and the sizes multiples of 16), and counts
 the PTX: instructions in all, those in the amax pass's loop (one tile's worth when a program takes
 several: ``--programs 1`` makes every program take PAIR_ITERS tiles), shared-memory traffic and
-layout conversions. The pair kernel is instruction-bound on the H100 (benchmarks/NOTES.md, the
+layout conversions; with ``--lines N``, each launch's N source lines that compile to the most
+instructions (from the PTX's line records). The pair kernel is instruction-bound on the H100 (benchmarks/NOTES.md, the
 twenty-second session), so this count is what a change to it should lower. Writes
 benchmarks/results/pair_instructions.json.
 """
@@ -17,7 +18,9 @@ from __future__ import annotations
 
 import argparse
 import collections
+import linecache
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -59,6 +62,19 @@ def loop_instructions(ptx: str) -> int | None:
     return len(instructions("\n".join(lines[head:back + 1])))
 
 
+def by_source_line(ptx: str) -> collections.Counter:
+    """Instructions per source line ("file.py:line"), from the PTX's .file and .loc records."""
+    files = dict(re.findall(r'^\s*\.file\s+(\d+)\s+"([^"]+)"', ptx, re.MULTILINE))
+    counts, where = collections.Counter(), "?"
+    for line in ptx.splitlines():
+        loc = re.match(r"\s*\.loc\s+(\d+)\s+(\d+)", line)
+        if loc:
+            where = f"{Path(files.get(loc.group(1), '?')).name}:{loc.group(2)}"
+        elif instructions(line):
+            counts[where] += 1
+    return counts
+
+
 def count(tensor: str) -> dict[str, dict]:
     recorder = hopper_compile.Recorder()
     real_run = JITFunction.run
@@ -85,14 +101,24 @@ def count(tensor: str) -> dict[str, dict]:
             "shared_loads": sum(line.startswith("ld.shared") for line in body),
             "shared_stores": sum(line.startswith("st.shared") for line in body),
             "layout_conversions": kernel.asm["ttgir"].count("convert_layout"),
-            "top": dict(ops.most_common(10))}
+            "top": dict(ops.most_common(10)), "lines": by_source_line(ptx)}
     return out
+
+
+def _source(where: str) -> str:
+    """The text of a "file.py:line" of fp4lab's kernels (or Triton's language), for --lines."""
+    name, _, number = where.partition(":")
+    for folder in (ROOT / "fp4lab" / "kernels", Path(triton.__file__).parent / "language"):
+        if (folder / name).is_file():
+            return linecache.getline(str(folder / name), int(number)).strip()[:90]
+    return ""
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tile", default=",".join(map(str, quantize.PAIR_TILE)), help="BM,BK,warps")
     parser.add_argument("--programs", type=int, default=quantize.PAIR_PROGRAMS, help="PAIR_PROGRAMS")
+    parser.add_argument("--lines", type=int, default=0, help="print each launch's N costliest source lines")
     parser.add_argument("--no-save", action="store_true", help="print only (the tests)")
     args = parser.parse_args()
     quantize.PAIR_TILE = tuple(int(v) for v in args.tile.split(","))
@@ -107,6 +133,9 @@ def main() -> None:
                   f"instructions a thread, {per_tile} a tile ({per_tile / elements:.1f} an element); shared "
                   f"{row['shared_loads']} ld / {row['shared_stores']} st, {row['layout_conversions']} layout "
                   f"conversions", flush=True)
+            lines = row.pop("lines")
+            for where, n in lines.most_common(args.lines):
+                print(f"    {n:5d}  {where}  {_source(where)}")
     if not args.no_save:
         save("pair_instructions", {**environment(), "tile": quantize.PAIR_TILE, "programs": args.programs,
                                    "elements_a_thread": elements, "launches": results})

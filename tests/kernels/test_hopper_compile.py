@@ -26,13 +26,17 @@ def test_every_launch_compiles_for_sm90(tmp_path):
 
 def test_the_pair_instruction_count_compiles_both_passes_and_finds_the_amax_loop():
     """benchmarks/pair_instructions.py (the pair kernel's PTX a thread, compiled for sm_90): with
-    every program taking PAIR_ITERS tiles, the amax pass's loop is found and is a tile's share."""
+    every program taking PAIR_ITERS tiles, the amax pass's loop is found and is a tile's share;
+    --lines names the kernels' source lines the instructions come from."""
     root = Path(__file__).resolve().parents[2]
     done = subprocess.run([sys.executable, str(root / "benchmarks" / "pair_instructions.py"), "--programs", "1",
-                           "--no-save"], env=subprocess_env(interpret=False), capture_output=True, text=True,
-                          timeout=600)
+                           "--lines", "3", "--no-save"], env=subprocess_env(interpret=False), capture_output=True,
+                          text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     amax = next(line for line in done.stdout.splitlines() if line.startswith("x amax"))
     total, per_tile = (int(amax.split(": ")[1].split()[0]), int(amax.split(", ")[2].split()[0]))
     assert "8 a program" in amax and 0 < per_tile < total, amax
     assert sum(line.startswith(("x ", "dy ")) for line in done.stdout.splitlines()) == 4
+    lines = [line.split() for line in done.stdout.splitlines() if line.startswith("    ")]
+    assert len(lines) == 12 and all(int(n) > 0 for n, *_ in lines), done.stdout
+    assert any(where.startswith("quantize.py:") and text for _, where, text, *_ in lines), done.stdout
