@@ -128,22 +128,29 @@ def test_stochastic_rounding_below_1_at_its_thresholds():
 
 
 @triton.jit
-def _rounded_up_forms_kernel(mismatch_ptr, n, BLOCK: tl.constexpr):
-    """Counts the fp32 patterns 0 .. n - 1 where the add.rp form of 1 + v differs from its integer twin."""
+def _forms_mismatch_kernel(mismatch_ptr, n, FORM: tl.constexpr, BLOCK: tl.constexpr):
+    """Counts the fp32 patterns 0 .. n - 1 where a helper's GPU form differs from its integer twin:
+    FORM 0 e4m3_rtne, 1 the rounded-up 1 + v of stochastic rounding below 1."""
     bits = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     v = bits.to(tl.float32, bitcast=True)
-    bad = (_one_plus_rounded_up(v) != _one_plus_rounded_up_integer(v)) & (bits < n)
-    tl.atomic_add(mismatch_ptr, tl.sum(bad.to(tl.int32)))
+    if FORM == 0:
+        bad = e4m3_rtne(v) != _e4m3_rtne_integer(v)
+    else:
+        bad = _one_plus_rounded_up(v) != _one_plus_rounded_up_integer(v)
+    tl.atomic_add(mismatch_ptr, tl.sum((bad & (bits < n)).to(tl.int32)))
+
+
+def _mismatches(n: int, form: int) -> int:
+    mismatch = torch.zeros(1, dtype=torch.int32, device="cuda")
+    _forms_mismatch_kernel[(triton.cdiv(n, 1024),)](mismatch, n, FORM=form, BLOCK=1024)
+    return int(mismatch)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the directed-rounding add exists on a GPU only")
 def test_the_gpus_rounded_up_add_is_the_integer_form_on_every_fp32_below_1():
     """Compiled for a GPU, SR below 1 takes 1 + v from one add.rp; the integer form (what the
     interpreter runs, tested against the reference above) must agree on every v in [0, 1)."""
-    n = 0x3F800000  # fp32(1)'s bits, exclusive
-    mismatch = torch.zeros(1, dtype=torch.int32, device="cuda")
-    _rounded_up_forms_kernel[(triton.cdiv(n, 1024),)](mismatch, n, BLOCK=1024)
-    assert int(mismatch) == 0
+    assert _mismatches(0x3F800000, form=1) == 0  # (fp32(1)'s bits, exclusive)
 
 
 def test_philox_bytes_match_rng():
@@ -152,15 +159,6 @@ def test_philox_bytes_match_rng():
     words = torch.stack(philox4x32(12345, torch.arange(2**33, 2**33 + 64)), -1)  # [64, 4]
     ref = (words[:, :, None] >> torch.tensor([0, 8, 16, 24])) & 0xFF  # byte j = word j//4, shift 8(j%4)
     assert torch.equal(out.cpu(), ref.reshape(-1).int())
-
-
-@triton.jit
-def _e4m3_encode_forms_kernel(mismatch_ptr, n, BLOCK: tl.constexpr):
-    """Counts the fp32 patterns 0 .. n - 1 where e4m3_rtne differs from its integer form."""
-    bits = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    y = bits.to(tl.float32, bitcast=True)
-    bad = (e4m3_rtne(y) != _e4m3_rtne_integer(y)) & (bits < n)
-    tl.atomic_add(mismatch_ptr, tl.sum(bad.to(tl.int32)))
 
 
 @triton.jit
@@ -176,10 +174,7 @@ def test_the_gpus_e4m3_conversions_are_the_integer_forms_on_every_fp32_in_range(
     """Compiled, e4m3_rtne and e4m3_value are the GPU's conversion instructions; the integer forms
     (what the interpreter runs, tested against the reference above) must agree on every input a
     kernel can pass: every fp32 bit pattern in 0 .. 448 (subnormals included), every finite byte."""
-    n = 0x43E00000 + 1  # fp32(448)'s bits, inclusive
-    mismatch = torch.zeros(1, dtype=torch.int32, device="cuda")
-    _e4m3_encode_forms_kernel[(triton.cdiv(n, 1024),)](mismatch, n, BLOCK=1024)
-    assert int(mismatch) == 0
+    assert _mismatches(0x43E00000 + 1, form=0) == 0  # (fp32(448)'s bits, inclusive)
     # every finite byte, negative ones included (a decoder passes the sign bit)
     finite = torch.cat([torch.arange(0x7F), torch.arange(0x80, 0xFF)])
     got, integer = torch.empty(finite.numel(), device="cuda"), torch.empty(finite.numel(), device="cuda")
