@@ -17,8 +17,8 @@ are byte-identical to fp4lab.formats (tested exhaustively under TRITON_INTERPRET
                           0x3FFFFF - (r << 14), the dropped 22 cleared (the carry is the round up);
                           below 1 the same on 1 + v rounded up (its dropped bits are ceil(frac(2v)
                           2^22)), less 1; e2m1_stochastic reads the code off the same bits. The
-                          rounded-up add is one add.rp on an NVIDIA GPU, its exact integer twin
-                          elsewhere
+                          rounded-up add is one add.rp on an NVIDIA GPU, elsewhere an exact twin
+                          in round-to-nearest arithmetic (Fast2Sum)
     e4m3_rtne(y)          0 <= y <= 448 fp32 -> E4M3 byte, codes._encode_magnitude in int32
     e4m3_value(b)         E4M3 byte -> fp32 (exact, from the bit fields); both by the GPU's
                           conversion instructions when compiled for sm_89+ (compile_arch), the
@@ -55,9 +55,11 @@ def compile_arch() -> int:
     constexpr function is called while it runs), not first from the active driver: the driver is
     the current device's, and Inductor's compile workers, which compile the traced ops' kernels
     (nn.ops), have no device to ask. Where no code generator is found it asks the driver: none
-    active (an offline compile) counts as sm_90, one that cannot say as no NVIDIA target (the
-    integer forms: the same bytes, more instructions). Self-contained: Inductor copies a constexpr
-    function's source into the kernel module its workers compile."""
+    active counts as sm_90, one that cannot say as no NVIDIA target (the integer forms: the same
+    bytes, more instructions); every compile Triton 3.6 and 3.9 make finds the code generator, so
+    this is a guard against a later Triton. Inductor copies a constexpr function's source (not a
+    builtin's) into the kernel module its workers compile; ``sys`` is imported inside, as Triton
+    refuses a kernel dependency that reaches ``sys._getframe`` through a module global."""
     import sys
 
     from triton.language.target_info import current_target
@@ -111,9 +113,9 @@ def e2m1_rtne_value(v):
 def e2m1_stochastic_value(v, r):
     """v: fp32 magnitudes in [0, 6]; r: int32 random bytes -> fp32 e2m1_value(e2m1_stochastic(v, r))."""
     bits = v.to(tl.int32, bitcast=True)
-    # below 1 the grid (0, .5, 1) is that of 1 + v on [1, 2] less 1, and the dropped 22 bits of
-    # 1 + v are frac(2v) 2^22: exactly so if 1 + v is rounded up (ceil(f) > n iff f > n for an
-    # integer n = r << 14; a carry into the kept bit comes only where f > 2^22 - 1, an up anyway)
+    # below 1 the grid (0, .5, 1) is that of 1 + v on [1, 2] less 1: with 1 + v rounded up, its
+    # dropped 22 bits are ceil(f), f = frac(2v) 2^22, and ceil(f) > n iff f > n for the integer
+    # n = r << 14 (a carry into the kept bit comes only where f > 2^22 - 1, an up anyway)
     small = bits < 0x3F800000  # (v < 1)
     w = tl.where(small, _one_plus_rounded_up(v), bits)
     # up iff (r << 14) < the dropped 22 bits, i.e. iff adding 0x3FFFFF - (r << 14) carries into
@@ -125,17 +127,17 @@ def e2m1_stochastic_value(v, r):
 @triton.jit
 def _one_plus_rounded_up(v):
     """v: fp32 in [0, 1) -> the int32 bits of 1 + v rounded toward +infinity: one add.rp on an
-    NVIDIA GPU; elsewhere the nearest sum's bits, plus one where it fell below (its error, exact
-    by Fast2Sum as 1 >= v, positive)."""
+    NVIDIA GPU, _one_plus_rounded_up_fast2sum elsewhere (the same bits)."""
     if compile_arch() > 0:
         return tl.inline_asm_elementwise("add.rp.f32 $0, $1, 0f3F800000;", "=r,r", [v], dtype=tl.int32,
                                          is_pure=True, pack=1)
-    return _one_plus_rounded_up_integer(v)
+    return _one_plus_rounded_up_fast2sum(v)
 
 
 @triton.jit
-def _one_plus_rounded_up_integer(v):
-    """_one_plus_rounded_up from the nearest sum and its (exact) error."""
+def _one_plus_rounded_up_fast2sum(v):
+    """_one_plus_rounded_up in round-to-nearest arithmetic: the nearest sum, plus one ulp where its
+    error (exact by Fast2Sum) is positive."""
     y = v + 1.0
     below = (v - (y - 1.0)) > 0
     return y.to(tl.int32, bitcast=True) + below.to(tl.int32)

@@ -1,13 +1,28 @@
 """Which forms fp4lab's element helpers compile to, in a process with no device to ask (as in
 Inductor's compile workers, which compile a traced op's kernels). Run without TRITON_INTERPRET;
-prints one line a compile: a kernel of the helpers for sm_90, then for sm_80, then the dy pair's
-kernel as Inductor's workers get it (for sm_90), each with whether the PTX holds the
-directed-rounding add (SR below 1) and the E4M3 conversion."""
-import triton, triton.language as tl
+prints one line a compile: a kernel of the helpers for sm_90, sm_89, sm_100, sm_80 and sm_75, then
+the dy pair's kernel as Inductor's workers get it (for sm_90), each with whether the PTX holds the
+directed-rounding add (SR below 1) and the E4M3 conversion; then compile_arch's guard (no code
+generator on the stack: a host call) with no device, with an sm_80 device, and with no driver."""
+import importlib.util
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+from torch._inductor.codegen.wrapper import user_defined_triton_kernel_transitive_closure_source_code
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime import driver
-from fp4lab.kernels.elements import e2m1_stochastic_value, e4m3_rtne
+from triton.runtime.jit import JITFunction
+
+sys.path.insert(0, str(Path(__file__).parent))
+import hopper_compile  # noqa: E402
+from fp4lab.formats.types import Format  # noqa: E402
+from fp4lab.kernels import quantize  # noqa: E402
+from fp4lab.kernels.elements import compile_arch, e2m1_stochastic_value, e4m3_rtne  # noqa: E402
 
 
 class NoDevice:  # Inductor's compile workers: no device to ask
@@ -15,7 +30,17 @@ class NoDevice:  # Inductor's compile workers: no device to ask
         raise RuntimeError("no CUDA device in this process")
 
 
-driver.set_active(NoDevice())
+class Sm80:
+    def get_current_target(self):
+        return GPUTarget("cuda", 80, 32)
+
+
+def no_driver():
+    raise RuntimeError("no driver")
+
+
+def forms(ptx: str) -> str:
+    return f"{'add.rp.f32' in ptx} {'e4m3x2' in ptx}"
 
 
 @triton.jit
@@ -25,47 +50,47 @@ def kernel(x_ptr, r_ptr, out_ptr, byte_ptr):
     tl.store(byte_ptr, e4m3_rtne(x))
 
 
-for arch in (90, 80):
-    source = ASTSource(fn=kernel, signature={"x_ptr": "*fp32", "r_ptr": "*i32", "out_ptr": "*fp32", "byte_ptr": "*i32"},
-                       constexprs={})
-    ptx = triton.compile(source, target=GPUTarget("cuda", arch, 32)).asm["ptx"]
-    print(arch, "add.rp.f32" in ptx, "e4m3x2" in ptx)
+def dy_pair_copies_launch() -> tuple:
+    """The dy pair's copies pass as quantize launches it (kernel, argument types, constexprs, options)."""
+    recorder, real_run = hopper_compile.Recorder(), JITFunction.run
+    JITFunction.run = lambda fn, *a, **k: recorder(fn, *a, **k)
+    try:
+        sr = dict(rounding="stochastic", seed=1)
+        quantize.block_values_pair(torch.randn(64, 64, dtype=torch.bfloat16), Format.NVFP4, rows=sr,
+                                   columns=dict(sr, hadamard="te"), columns_len=64)
+    except Exception as exc:  # noqa: BLE001 (the launches are what counts; the unwritten outputs may fail later)
+        print(f"(after the launches: {type(exc).__name__})", file=sys.stderr)
+    finally:
+        JITFunction.run = real_run
+    for fn, types, constexprs, options in recorder.launches.values():
+        if not constexprs[(fn.arg_names.index("AMAX_ONLY"),)]:
+            return fn, types, constexprs, options
+    raise SystemExit("the pair made no copies launch")
+
+
+driver.set_active(NoDevice())
+for arch in (90, 89, 100, 80, 75):
+    signature = {"x_ptr": "*fp32", "r_ptr": "*i32", "out_ptr": "*fp32", "byte_ptr": "*i32"}
+    ptx = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs={}),
+                         target=GPUTarget("cuda", arch, 32)).asm["ptx"]
+    print(arch, forms(ptx))
 
 # the dy pair's kernel as Inductor's workers get it: its source and its helpers' copied into a new
 # module (torch's transitive-closure source of a user-defined kernel), compiled there for sm_90
-import importlib.util  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import torch  # noqa: E402
-from torch._inductor.codegen.wrapper import user_defined_triton_kernel_transitive_closure_source_code  # noqa: E402
-from triton.runtime.jit import JITFunction  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).parent))
-import hopper_compile  # noqa: E402
-from fp4lab.formats.types import Format  # noqa: E402
-from fp4lab.kernels import quantize  # noqa: E402
-
-recorder, real_run = hopper_compile.Recorder(), JITFunction.run
-JITFunction.run = lambda fn, *a, **k: recorder(fn, *a, **k)
-try:
-    sr = dict(rounding="stochastic", seed=1)
-    quantize.block_values_pair(torch.randn(64, 64, dtype=torch.bfloat16), Format.NVFP4, rows=sr,
-                               columns=dict(sr, hadamard="te"), columns_len=64)
-except Exception:  # noqa: BLE001 (the launches are what counts; the unwritten outputs may fail later)
-    pass
-finally:
-    JITFunction.run = real_run
-fn, types, constexprs, options = next(v for v in recorder.launches.values() if not v[2][(fn_index := next(
-    i for i, name in enumerate(v[0].arg_names) if name == "AMAX_ONLY"),)])
-source = "import triton\nimport triton.language as tl\n\n\n@triton.jit\n" + \
-    user_defined_triton_kernel_transitive_closure_source_code(fn)
+fn, types, constexprs, options = dy_pair_copies_launch()
 path = Path(tempfile.mkdtemp()) / "inductor_kernel.py"
-path.write_text(source)
+path.write_text("import triton\nimport triton.language as tl\n\n\n@triton.jit\n"
+                + user_defined_triton_kernel_transitive_closure_source_code(fn))
 spec = importlib.util.spec_from_file_location("inductor_kernel", path)
 module = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(module)
 copied = ASTSource(fn=getattr(module, fn.__name__), signature=types, constexprs=constexprs)
-ptx = triton.compile(copied, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
-print("inductor 90", "add.rp.f32" in ptx, "e4m3x2" in ptx)
+print("inductor 90", forms(triton.compile(copied, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]))
+
+# the guard: called from the host there is no code generator, so the driver is asked
+answers = [compile_arch.fn()]  # (no device)
+driver.set_active(Sm80())
+answers.append(compile_arch.fn())
+type(driver).active = property(lambda self: no_driver())  # (what Triton says where it finds no driver)
+answers.append(compile_arch.fn())
+print("host", *answers)

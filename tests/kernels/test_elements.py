@@ -13,7 +13,7 @@ import triton.language as tl  # noqa: E402
 from fp4lab.formats import codes as C  # noqa: E402
 from fp4lab.formats.rng import philox4x32, random_bytes  # noqa: E402
 from fp4lab.kernels.elements import (_e4m3_rtne_integer, _e4m3_value_integer,  # noqa: E402
-                                     _one_plus_rounded_up, _one_plus_rounded_up_integer, e2m1_rtne,
+                                     _one_plus_rounded_up, _one_plus_rounded_up_fast2sum, e2m1_rtne,
                                      e2m1_rtne_value, e2m1_stochastic, e2m1_stochastic_value, e4m3_rtne,
                                      e4m3_value, philox_bytes, to_bf16_rtne)
 
@@ -129,14 +129,15 @@ def test_stochastic_rounding_below_1_at_its_thresholds():
 
 @triton.jit
 def _forms_mismatch_kernel(mismatch_ptr, n, FORM: tl.constexpr, BLOCK: tl.constexpr):
-    """Counts the fp32 patterns 0 .. n - 1 where a helper's GPU form differs from its integer twin:
-    FORM 0 e4m3_rtne, 1 the rounded-up 1 + v of stochastic rounding below 1."""
+    """Counts the fp32 patterns 0 .. n - 1 where a helper's GPU form differs from its portable twin:
+    FORM 0 e4m3_rtne (the integer form), 1 the rounded-up 1 + v of stochastic rounding below 1
+    (the Fast2Sum form)."""
     bits = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     v = bits.to(tl.float32, bitcast=True)
     if FORM == 0:
         bad = e4m3_rtne(v) != _e4m3_rtne_integer(v)
     else:
-        bad = _one_plus_rounded_up(v) != _one_plus_rounded_up_integer(v)
+        bad = _one_plus_rounded_up(v) != _one_plus_rounded_up_fast2sum(v)
     tl.atomic_add(mismatch_ptr, tl.sum((bad & (bits < n)).to(tl.int32)))
 
 
@@ -148,7 +149,7 @@ def _mismatches(n: int, form: int) -> int:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the directed-rounding add exists on a GPU only")
 def test_the_gpus_rounded_up_add_is_the_integer_form_on_every_fp32_below_1():
-    """Compiled for a GPU, SR below 1 takes 1 + v from one add.rp; the integer form (what the
+    """Compiled for a GPU, SR below 1 takes 1 + v from one add.rp; the Fast2Sum form (what the
     interpreter runs, tested against the reference above) must agree on every v in [0, 1)."""
     assert _mismatches(0x3F800000, form=1) == 0  # (fp32(1)'s bits, exclusive)
 
@@ -184,14 +185,17 @@ def test_the_gpus_e4m3_conversions_are_the_integer_forms_on_every_fp32_in_range(
 
 
 def test_the_hardware_forms_follow_the_compiles_target_not_the_device():
-    """compile_arch reads the target from the compile's options: compiled for sm_90 with no device
-    in the process, the helpers take add.rp and the E4M3 conversion; for sm_80, add.rp alone (cvt
-    e4m3x2 needs sm_89); and so does the dy pair's kernel as Inductor's compile workers get it (its
-    source and its helpers' copied into a new module, no device to ask). Asking the driver gave
-    those workers the integer forms; a Triton builtin was not copied (NameError)."""
+    """compile_arch reads the target from the compile's options: compiled with no device in the
+    process, the helpers take add.rp and the E4M3 conversion for sm_90, sm_89 and sm_100, add.rp
+    alone for sm_80 and sm_75 (cvt e4m3x2 needs sm_89); the dy pair's kernel as Inductor's compile
+    workers get it (its source and its helpers' copied into a new module, no device) takes both.
+    Asking the driver gave those workers the integer forms; 245e1db's builtin, defined in fp4lab,
+    was not copied (NameError on the H100). Called from the host (no code generator) it asks the
+    driver: one that cannot say is no NVIDIA target, an sm_80 one is 80, none active is sm_90."""
     pytest.importorskip("triton.backends.nvidia.compiler", reason="Triton without its NVIDIA backend")
     script = Path(__file__).with_name("compile_arch_probe.py")
     done = subprocess.run([sys.executable, str(script)], env=subprocess_env(interpret=False, TRITON_ALWAYS_COMPILE="1"),
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert done.stdout.split("\n")[:3] == ["90 True True", "80 True False", "inductor 90 True True"], done.stdout
+    assert done.stdout.split("\n")[:7] == ["90 True True", "89 True True", "100 True True", "80 True False",
+                                           "75 True False", "inductor 90 True True", "host 0 80 90"], done.stdout
