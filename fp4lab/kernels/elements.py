@@ -31,6 +31,8 @@ are byte-identical to fp4lab.formats (tested exhaustively under TRITON_INTERPRET
     pack_nibble_pairs(c)  [.., 2n] codes -> [.., n] bytes, element 2i in the low nibble
     group_of(i, starts, G) row or column index (a tensor or a scalar) -> the group it falls in,
                           groups starting at starts[0..G-1] ascending (MoE experts back to back)
+    compile_arch()        the NVIDIA compute capability the compile targets (0: another backend,
+                          or interpreted), a constexpr: which inline-PTX forms the helpers take
 
 Public: the functions above (``@triton.jit``, callable from kernels only).
 """
