@@ -94,11 +94,10 @@ def e2m1_rtne(v):
 @triton.jit
 def e2m1_stochastic(v, r):
     """v: fp32 magnitudes in [0, 6]; r: int32 random bytes -> int32 codes 0..7."""
-    # e2m1_stochastic_value's rounding (below 1, on 1 + v rounded up), the code read off the bits:
-    # 1, 1.5, 2 (0 .. 1 shifted by 1) are 254 .. 256 in bits >> 22, and 1 .. 6 are codes 2 .. 7
-    small = v < 1.0
-    w = tl.where(small, _one_plus_rounded_up(v), v.to(tl.int32, bitcast=True))
-    return ((w + (0x3FFFFF - (r << 14))) >> 22) - tl.where(small, 254, 252)
+    # the code read off _stochastic_sum's bits: 1, 1.5, 2 (0 .. 1 shifted by 1) are 254 .. 256 in
+    # bits >> 22, and 1 .. 6 are codes 2 .. 7
+    small, s = _stochastic_sum(v, r)
+    return (s >> 22) - tl.where(small, 254, 252)
 
 
 @triton.jit
@@ -114,16 +113,23 @@ def e2m1_rtne_value(v):
 @triton.jit
 def e2m1_stochastic_value(v, r):
     """v: fp32 magnitudes in [0, 6]; r: int32 random bytes -> fp32 e2m1_value(e2m1_stochastic(v, r))."""
-    bits = v.to(tl.int32, bitcast=True)
+    small, s = _stochastic_sum(v, r)
+    q = (s & -0x400000).to(tl.float32, bitcast=True)  # the dropped 22 bits cleared
+    return tl.where(small, q - 1.0, q)
+
+
+@triton.jit
+def _stochastic_sum(v, r):
+    """v: fp32 magnitudes in [0, 6]; r: int32 random bytes -> (v < 1, the int32 sum whose bits from
+    22 up are v's stochastic rounding: shifted by 1 where v < 1)."""
     # below 1 the grid (0, .5, 1) is that of 1 + v on [1, 2] less 1: with 1 + v rounded up, its
     # dropped 22 bits are ceil(f), f = frac(2v) 2^22, and ceil(f) > n iff f > n for the integer
     # n = r << 14 (a carry into the kept bit comes only where f > 2^22 - 1, an up anyway)
-    small = bits < 0x3F800000  # (v < 1)
-    w = tl.where(small, _one_plus_rounded_up(v), bits)
+    small = v < 1.0
+    w = tl.where(small, _one_plus_rounded_up(v), v.to(tl.int32, bitcast=True))
     # up iff (r << 14) < the dropped 22 bits, i.e. iff adding 0x3FFFFF - (r << 14) carries into
     # bit 22 (a carry out of the significand makes the next power of 2)
-    q = ((w + (0x3FFFFF - (r << 14))) & -0x400000).to(tl.float32, bitcast=True)
-    return tl.where(small, q - 1.0, q)
+    return small, w + (0x3FFFFF - (r << 14))
 
 
 @triton.jit
