@@ -29,7 +29,6 @@ assert os.environ.get("TRITON_INTERPRET") != "1", "the compiler is what is count
 import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
-from triton.runtime.jit import JITFunction  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -76,19 +75,12 @@ def by_source_line(ptx: str) -> collections.Counter:
 
 
 def count(tensor: str) -> dict[str, dict]:
-    recorder = hopper_compile.Recorder()
-    real_run = JITFunction.run
-    JITFunction.run = lambda fn, *a, **k: recorder(fn, *a, **k)
-    try:
-        rows, columns = PAIRS[tensor]
-        x = torch.randn(256, 256, dtype=torch.bfloat16)
-        quantize.block_values_pair(x, Format.NVFP4, rows=rows, columns=columns, columns_len=256)
-    except Exception:  # noqa: BLE001 (the launches are what counts: the unwritten outputs may fail later)
-        pass
-    finally:
-        JITFunction.run = real_run
+    rows, columns = PAIRS[tensor]
+    x = torch.randn(256, 256, dtype=torch.bfloat16)
+    launches = hopper_compile.record(lambda: hopper_compile.launch_only(
+        quantize.block_values_pair, x, Format.NVFP4, rows=rows, columns=columns, columns_len=256))
     out = {}
-    for fn, types, constexprs, options in recorder.launches.values():
+    for fn, types, constexprs, options in launches.values():
         named = {fn.arg_names[i[0]]: v for i, v in constexprs.items()}
         attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
                  if types[name] != "constexpr" and (types[name].startswith("*") or name in SIZES)}

@@ -63,28 +63,28 @@ def exercise() -> None:
     for profile, blocks in (("te", (16, (16, 16))), ("torchao", (16,)), ("four_over_six", (16, (16, 16)))):
         for block in blocks:
             for extra in ({}, full):
-                _try(quantize.quantize_nvfp4, x, profile=profile, block=block, **extra)
-        _try(quantize.nvfp4_block_values, x, profile=profile)
+                launch_only(quantize.quantize_nvfp4, x, profile=profile, block=block, **extra)
+        launch_only(quantize.nvfp4_block_values, x, profile=profile)
     for mode in ("floor", "ceil", "even", "rceil"):
         for extra in ({}, dict(rounding="stochastic", seed=1)):
-            _try(quantize.quantize_mxfp4, x, mode=mode, **extra)
-    _try(quantize.quantize_mxfp4, x, hadamard="random", hadamard_seed=2)
-    _try(quantize.mxfp4_block_values, x)
-    _try(quantize.quantize_nvfp4, x, axis=0, **full)  # a transposed read
+            launch_only(quantize.quantize_mxfp4, x, mode=mode, **extra)
+    launch_only(quantize.quantize_mxfp4, x, hadamard="random", hadamard_seed=2)
+    launch_only(quantize.mxfp4_block_values, x)
+    launch_only(quantize.quantize_nvfp4, x, axis=0, **full)  # a transposed read
     device_seeds = dict(rounding="stochastic", seed=torch.tensor([1]), hadamard="random", hadamard_seed=torch.tensor([2]))
-    _try(quantize.nvfp4_block_values, x, axis=0, **device_seeds)  # seeds read from memory (nn.seeds)
-    _try(quantize.mxfp4_block_values, x, axis=0, **device_seeds)
-    _try(quantize.quantize_nvfp4, x.float())
+    launch_only(quantize.nvfp4_block_values, x, axis=0, **device_seeds)  # seeds read from memory (nn.seeds)
+    launch_only(quantize.mxfp4_block_values, x, axis=0, **device_seeds)
+    launch_only(quantize.quantize_nvfp4, x.float())
     from fp4lab.formats.types import Format
     for fmt, knobs in ((Format.NVFP4, dict(profile="te")), (Format.NVFP4, dict(profile="torchao")),
                        (Format.NVFP4, dict(profile="four_over_six", block=(16, 16))), (Format.MXFP4, dict(mode="floor"))):
         for rounding in ("rtne", "stochastic"):  # every MoE expert's rows in one launch
-            _try(quantize.grouped_block_values, x, fmt, [16, 48], [1, 2], rounding=rounding, **knobs)
+            launch_only(quantize.grouped_block_values, x, fmt, [16, 48], [1, 2], rounding=rounding, **knobs)
     for fmt, knobs in ((Format.NVFP4, dict(hadamard="random", rounding="stochastic")), (Format.NVFP4, {}),
                        (Format.MXFP4, dict(hadamard="random"))):  # wgrad's operands, every expert at once
-        _try(quantize.grouped_column_block_values, x, fmt, [32, 32], [1, 2], hadamard_seeds=[3, 4], **knobs)
+        launch_only(quantize.grouped_column_block_values, x, fmt, [32, 32], [1, 2], hadamard_seeds=[3, 4], **knobs)
         # read from the routed rows in place, each group's padding as zeros (nn's wgrad)
-        _try(quantize.grouped_column_block_values, x[:40], fmt, [32, 32], [1, 2], hadamard_seeds=[3, 4],
+        launch_only(quantize.grouped_column_block_values, x[:40], fmt, [32, 32], [1, 2], hadamard_seeds=[3, 4],
              rows=[25, 15], **knobs)
     nv = dict(block=(1, 16))
     for fmt, rows, columns in (  # a linear's two copies of one tensor from one read (x, or dy)
@@ -94,49 +94,56 @@ def exercise() -> None:
             (Format.NVFP4, dict(rounding="stochastic", seed=torch.tensor([1]), **nv),
              dict(rounding="stochastic", seed=torch.tensor([3]), hadamard="random", hadamard_seed=torch.tensor([2]), **nv)),
             (Format.MXFP4, dict(mode="floor"), dict(mode="floor", hadamard="none"))):
-        _try(quantize.block_values_pair, x, fmt, rows=rows, columns=columns, columns_len=64)
-    _try(amax.finite_amax, x)
-    _try(_decode_and_gemm, x, decode, gemm)
+        launch_only(quantize.block_values_pair, x, fmt, rows=rows, columns=columns, columns_len=64)
+    launch_only(amax.finite_amax, x)
+    launch_only(_decode_and_gemm, x, decode, gemm)
     a, b = torch.randn(64, 64, generator=g).bfloat16(), torch.randn(64, 64, generator=g).bfloat16()
-    _try(matmul.scaled_mm, a, b, torch.ones(()), out_dtype=torch.bfloat16)
-    _try(matmul.grouped_scaled_mm, a, torch.stack([b, b]), [32, 32], torch.ones(2), out_dtype=torch.float32)
+    launch_only(matmul.scaled_mm, a, b, torch.ones(()), out_dtype=torch.bfloat16)
+    launch_only(matmul.grouped_scaled_mm, a, torch.stack([b, b]), [32, 32], torch.ones(2), out_dtype=torch.float32)
     # the routing's counts kept on the device (a captured step): the tile list made by a kernel
-    _try(matmul.grouped_scaled_mm, a, torch.stack([b, b]), torch.tensor([32, 32]), torch.ones(2))
+    launch_only(matmul.grouped_scaled_mm, a, torch.stack([b, b]), torch.tensor([32, 32]), torch.ones(2))
     for dtype in (torch.float32, torch.bfloat16):  # every expert's wgrad, each over its own tokens
-        _try(matmul.contraction_grouped_mm, a, b, [32, 0, 32], torch.ones(3), out_dtype=dtype)
-    _try(matmul.contraction_grouped_mm, a, b, torch.tensor([32, 0, 32]), torch.ones(3), width_multiple=32)
+        launch_only(matmul.contraction_grouped_mm, a, b, [32, 0, 32], torch.ones(3), out_dtype=dtype)
+    launch_only(matmul.contraction_grouped_mm, a, b, torch.tensor([32, 0, 32]), torch.ones(3), width_multiple=32)
 
 
 def _decode_and_gemm(x, decode, gemm):
     """Decode and the packed-operand GEMM need real codes: quantize with the reference first."""
     from fp4lab.formats import quantize_mxfp4, quantize_nvfp4
     for q in (quantize_nvfp4(x.float()), quantize_mxfp4(x.float())):
-        _try(decode.dequantize, q, torch.float32)
-        _try(decode.block_values, q, torch.bfloat16)
-        _try(gemm.fp4_mm, q, q, out_dtype=torch.bfloat16)
+        launch_only(decode.dequantize, q, torch.float32)
+        launch_only(decode.block_values, q, torch.bfloat16)
+        launch_only(gemm.fp4_mm, q, q, out_dtype=torch.bfloat16)
 
 
-def _try(fn, *args, **kwargs) -> None:
-    """The launch is what counts: what the entry point does with the (unwritten) outputs afterwards may fail."""
+def launch_only(fn, *args, **kwargs) -> None:
+    """fn(*args, **kwargs), an error after its launches ignored: the launch is what counts, and what
+    the entry point does with the (unwritten) outputs afterwards may fail."""
     try:
         fn(*args, **kwargs)
     except Exception:  # noqa: BLE001
         pass
 
 
-def main() -> int:
-    recorder = Recorder()
-    real_run = JITFunction.run
+def record(work) -> dict:
+    """Runs ``work()`` with Triton's launch replaced by a Recorder -> the launches it made (its
+    ``launches``: kernel, argument types, constexprs, options)."""
+    recorder, real_run = Recorder(), JITFunction.run
     JITFunction.run = lambda fn, *a, **k: recorder(fn, *a, **k)
     try:
-        exercise()
+        work()
     finally:
         JITFunction.run = real_run
+    return recorder.launches
+
+
+def main() -> int:
+    launches = record(exercise)
     if "--list" in sys.argv:
-        for fn, types, constexprs, options in recorder.launches.values():
+        for fn, types, constexprs, options in launches.values():
             print(fn.__name__, types, constexprs, options)
     failed = 0
-    for fn, types, constexprs, options in recorder.launches.values():
+    for fn, types, constexprs, options in launches.values():
         consts = {fn.arg_names[i[0]]: v for i, v in constexprs.items()}
         start = time.perf_counter()
         try:
@@ -149,8 +156,8 @@ def main() -> int:
                 cause = cause.__cause__
             print(f"FAILED {fn.__name__} {consts}\n{''.join(traceback.format_exception_only(e))}"
                   f"cause: {cause!r}")
-    print(f"{len(recorder.launches)} launches compiled for sm_90, {failed} failed")
-    return 1 if failed or not recorder.launches else 0
+    print(f"{len(launches)} launches compiled for sm_90, {failed} failed")
+    return 1 if failed or not launches else 0
 
 
 if __name__ == "__main__":
