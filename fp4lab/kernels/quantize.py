@@ -492,15 +492,6 @@ def _quantize_tile(x, rows, local, col_base, group, amax_at, seed_of, lp_of, cod
                  mask=keep & (scols[None, :] < LP // BLOCK))
 
 
-@triton.jit
-def _pair_tile(x_ptr, tile_m, cols, M, K, stride_m, BF16_BITS: tl.constexpr, BM: tl.constexpr):
-    """Row tile ``tile_m`` of x [M, K] at columns ``cols`` -> (its rows, int64 [BM]; the tile as fp32
-    [BM, BK], zeros outside x: rows past M are the columns copy's padding)."""
-    rows = (tile_m * BM + tl.arange(0, BM)).to(tl.int64)
-    inside = (rows[:, None] < M) & (cols[None, :] < K)
-    return rows, widen(tl.load(x_ptr + rows[:, None] * stride_m + cols[None, :], mask=inside, other=0.0), BF16_BITS)
-
-
 @cached  # (launched through kernels.launch)
 @triton.jit
 def _fp4_pair_kernel(x_ptr, rows_ptr, cols_ptr, amax_ptr, s_dec_ptr, seed_r, seed_c, h_seed_c, seed_r_ptr,
@@ -524,7 +515,9 @@ def _fp4_pair_kernel(x_ptr, rows_ptr, cols_ptr, amax_ptr, s_dec_ptr, seed_r, see
         m_rows = tl.zeros((BM, BK), tl.int32)
         m_cols = tl.zeros((BK, BM // BLOCK), tl.int32)
         for i in range(ITERS):
-            rows, x = _pair_tile(x_ptr, pid_m * ITERS + i, cols, M, K, stride_m, BF16_BITS, BM)
+            rows = ((pid_m * ITERS + i) * BM + tl.arange(0, BM)).to(tl.int64)
+            inside = (rows[:, None] < M) & (cols[None, :] < K)  # (rows past M: zeros, the columns copy's padding)
+            x = widen(tl.load(x_ptr + rows[:, None] * stride_m + cols[None, :], mask=inside, other=0.0), BF16_BITS)
             m_rows = tl.maximum(m_rows, _finite_abs_bits(x))
             m_cols = tl.maximum(m_cols, _rotated_run_bits(tl.reshape(tl.trans(x), (BK, BM // BLOCK, BLOCK)),
                                                           h_seed_c, HADAMARD_C, BF16_BITS, BK, BM // BLOCK, BLOCK))
@@ -537,7 +530,9 @@ def _fp4_pair_kernel(x_ptr, rows_ptr, cols_ptr, amax_ptr, s_dec_ptr, seed_r, see
             seed_c = tl.load(seed_c_ptr)
         for i in range(ITERS):
             tile_m = pid_m * ITERS + i
-            rows, x = _pair_tile(x_ptr, tile_m, cols, M, K, stride_m, BF16_BITS, BM)
+            rows = (tile_m * BM + tl.arange(0, BM)).to(tl.int64)
+            inside = (rows[:, None] < M) & (cols[None, :] < K)
+            x = widen(tl.load(x_ptr + rows[:, None] * stride_m + cols[None, :], mask=inside, other=0.0), BF16_BITS)
             xr = tl.reshape(x, (BM, BK // BLOCK, BLOCK))
             xc = tl.reshape(tl.trans(x), (BK, BM // BLOCK, BLOCK))
             if HADAMARD_C != NO_ROTATION:
