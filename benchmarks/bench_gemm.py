@@ -55,8 +55,10 @@ def sweep(m: int, n: int, k: int) -> dict:
     b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
     b_t = b.T.contiguous().T
     alpha = torch.ones((), device="cuda")
-    saved = (matmul._BM, matmul._BN, matmul._BK, matmul._WARPS, matmul._STAGES, matmul.USE_TMA)
-    results = {}
+    saved = (matmul._BM, matmul._BN, matmul._BK, matmul._WARPS, matmul._STAGES, matmul.USE_TMA, matmul.CUBLASLT)
+    results = {"cublaslt": 2 * m * n * k / graph_ms(lambda: scaled_mm(a, b, alpha)) / 1e9}  # matmul's default on CUDA
+    print(f"cuBLASLt: {results['cublaslt']:.0f} TFLOP/s", flush=True)
+    matmul.CUBLASLT = False  # (the Triton tiles)
     for tma in (True, False):
         for tile in TILES:
             matmul._BM, matmul._BN, matmul._BK, matmul._WARPS, matmul._STAGES = tile
@@ -70,7 +72,7 @@ def sweep(m: int, n: int, k: int) -> dict:
                 print(f"tile {name}: {type(exc).__name__}")
                 continue
             print(f"tile {name}: {results[name]:.0f} TFLOP/s", flush=True)
-    (matmul._BM, matmul._BN, matmul._BK, matmul._WARPS, matmul._STAGES, matmul.USE_TMA) = saved
+    (matmul._BM, matmul._BN, matmul._BK, matmul._WARPS, matmul._STAGES, matmul.USE_TMA, matmul.CUBLASLT) = saved
     return results
 
 

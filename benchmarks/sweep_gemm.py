@@ -48,9 +48,10 @@ def block_gemms(dim: int, hidden: int, qkv: int, tokens: int) -> dict[tuple[int,
 @contextmanager
 def tile(cfg: tuple[int, int, int, int, int], persistent: bool | None = None):
     """matmul's dense tile set to ``cfg`` inside the block, for every output size, and its kernel
-    (matmul.PERSISTENT; None: as it is), restored after."""
+    (matmul.PERSISTENT; None: as it is), restored after. The Triton kernels run (cuBLASLt off)."""
     saved = (matmul._BM, matmul._BN, matmul._BK, matmul._WARPS, matmul._STAGES, matmul._LARGE_OUT, matmul._SMALL_OUT,
-             matmul._TINY_OUT, matmul.PERSISTENT)
+             matmul._TINY_OUT, matmul.PERSISTENT, matmul.CUBLASLT)
+    matmul.CUBLASLT = False
     matmul._BM, matmul._BN, matmul._BK, matmul._WARPS, matmul._STAGES = cfg
     matmul._LARGE_OUT = matmul._SMALL_OUT = matmul._TINY_OUT = cfg
     if persistent is not None:
@@ -59,7 +60,7 @@ def tile(cfg: tuple[int, int, int, int, int], persistent: bool | None = None):
         yield
     finally:
         (matmul._BM, matmul._BN, matmul._BK, matmul._WARPS, matmul._STAGES, matmul._LARGE_OUT, matmul._SMALL_OUT,
-         matmul._TINY_OUT, matmul.PERSISTENT) = saved
+         matmul._TINY_OUT, matmul.PERSISTENT, matmul.CUBLASLT) = saved
 
 
 def main() -> None:
@@ -75,7 +76,7 @@ def main() -> None:
     cfg = model_config(args.model)
     shapes = block_gemms(cfg.dim, cfg.mlp_hidden, 3 * cfg.dim, args.tokens)
     alpha = torch.ones((), device="cuda")
-    default = "persistent" if matmul.PERSISTENT else "tiled"
+    default = "cuBLASLt" if matmul.CUBLASLT else "persistent" if matmul.PERSISTENT else "tiled"
     rows, totals = [], {"default": 0.0, "best": 0.0, "bf16": 0.0, **{_name(p): 0.0 for p in kernels}}
     for (m, k, n), count in shapes.items():
         a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -83,7 +84,7 @@ def main() -> None:
         bf16 = graph_ms(lambda: torch.mm(a, b.T))
         with tile(CONFIGS[0], persistent=False):  # the bits every tile and kernel is held to
             reference = matmul.scaled_mm(a, b, alpha)
-        # matmul's default as launched at this shape (its small-output tile included)
+        # matmul's default as launched at this shape (cuBLASLt on CUDA; else the Triton kernel at its tile)
         totals["default"] += count * graph_ms(lambda: matmul.scaled_mm(a, b, alpha))
         timed = {}
         for persistent in kernels:

@@ -26,8 +26,11 @@ CUDA graph can capture the launch: sized for the most tiles any split of the row
 the tiles past the live ones get an empty row range and their programs do no work.
 ``contraction_grouped_mm`` takes its widths either way too.
 
-On CUDA the tiles come through TMA descriptors (``_scaled_mm_tma_kernel``) where the
-operands' layout allows, else through pointers (``_scaled_mm_kernel``, also the interpreter's path).
+On CUDA a dense call whose operands cuBLASLt can read runs there (kernels.blas: the same function
+with alpha read on the device, at cuBLAS's speed; ``CUBLASLT = False`` keeps the Triton kernels).
+Elsewhere, and for every grouped call, the Triton kernels below. On CUDA their tiles come
+through TMA descriptors (``_scaled_mm_tma_kernel``) where the operands' layout allows, else
+through pointers (``_scaled_mm_kernel``, also the interpreter's path).
 A traced call (kernels.launch: a host descriptor cannot be recorded) takes the persistent kernel
 with descriptors it makes on the device, where each operand starts 16-byte aligned in its
 allocation (fp4lab's own outputs, and Inductor aligns its buffers), else the pointer kernel.
@@ -48,6 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import blas
 from .elements import to_bf16_rtne, widen
 from .host import PlanTable, cdiv, env, sm_count, tracing
 from .launch import cached
@@ -73,6 +77,10 @@ USE_TMA = True
 """On CUDA, read tiles through TMA descriptors where the operands allow (16-byte aligned rows, one
 contiguous axis); False forces the pointer kernel (benchmarks compare the two)."""
 _SHARED_BYTES = 232448  # shared memory a program may take on sm_90 (227 KB)
+CUBLASLT = True
+"""On CUDA, dense GEMMs whose operands allow it run on cuBLASLt (kernels.blas: its BF16 GEMM with
+alpha read on the device, faster than the Triton kernels at every shape measured); False keeps
+them on the Triton kernels (the sweeps of those, and the tests of their bits)."""
 PERSISTENT = True
 """Dense TMA launches as the persistent kernel (one program an SM walking the output tiles);
 False: one program a tile, the default tile at large outputs (benchmarks compare the two; the
@@ -375,18 +383,19 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, alpha: torch.Tensor | tuple[torc
     if a.dim() != 2 or b.dim() != 2:
         raise ValueError(f"scaled_mm takes 2D operands, got {tuple(a.shape)} and {tuple(b.shape)}")
     (m, k), n = a.shape, b.shape[0]
-    out, done = _output(m, n, k, out_dtype, a.device)
-    if done:
-        return out
-    first = pair[0] if pair else out  # (an unused pointer where there is no scale)
+    if not m * n * k:
+        return _output(m, n, k, out_dtype, a.device)[0]
     # (the tile settings a plan was made under are part of its key: a sweep that changes them, or
     # _config itself, gets plans of the new tile)
-    key = (a.shape, a.stride(), b.shape, b.stride(), out_dtype, len(pair), a.device, USE_TMA, PERSISTENT, _config,
-           _BM, _BN, _BK, _WARPS, _STAGES, _LARGE_OUT, _SMALL_OUT, _TINY_OUT)
+    key = (a.shape, a.stride(), b.shape, b.stride(), out_dtype, len(pair), a.device, USE_TMA, PERSISTENT, CUBLASLT,
+           _config, _BM, _BN, _BK, _WARPS, _STAGES, _LARGE_OUT, _SMALL_OUT, _TINY_OUT)
     plan = _DENSE_PLANS.get(key)
     if plan is None:
-        plan = _DENSE_PLANS.keep(key, _DensePlan(a, b, out, len(pair)))
-    plan.launch(a, b, out, first, pair[-1] if pair else out)
+        plan = _DENSE_PLANS.keep(key, _DensePlan(a, b, out_dtype, len(pair)))
+    if plan.lt is not None and blas.usable(a, b):
+        return plan.lt(a, b, list(pair))
+    out = torch.empty(m, n, dtype=out_dtype, device=a.device)
+    plan.launch(a, b, out, pair[0] if pair else out, pair[-1] if pair else out)  # (out: an unused pointer)
     return out
 
 
@@ -398,12 +407,13 @@ class _DensePlan:
     takes the pointer kernel on its own tile. Whether the interpreter runs is read when a plan is
     made: Triton decides it when the kernels are decorated, at import."""
 
-    def __init__(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, mode: int) -> None:
+    def __init__(self, a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, mode: int) -> None:
         (m, k), n = a.shape, b.shape[0]
         self.mnk = m, n, k
         interpreted = env("TRITON_INTERPRET") == "1"
+        self.lt = blas.plan(a, b, out_dtype) if CUBLASLT and not interpreted else None
         bm, bn, bk, warps, stages = _config(m, n, False, a.device)
-        kw = dict(BF16_OUT=out.dtype == torch.bfloat16, GROUP_M=8, ALPHA=mode)
+        kw = dict(BF16_OUT=out_dtype == torch.bfloat16, GROUP_M=8, ALPHA=mode)
         self.pointer = _scaled_mm_kernel.bind(GROUPED=False, EVEN_K=k % bk == 0, DOT_F32=interpreted, BM=bm, BN=bn,
                                               BK=bk, num_warps=warps, num_stages=stages, **kw)
         self.pointer_grid = (cdiv(m, bm) * cdiv(n, bn),)
@@ -424,7 +434,7 @@ class _DensePlan:
             programs = min(sm_count(a.device), cdiv(m, bm) * cdiv(n, bn))
             # the epilogue's staging tile stays allocated beside the pipeline's buffers (the next
             # tile's loads are in flight): as many stages as fit beside it in an SM's shared memory
-            epilogue = bm * bn * out.element_size()
+            epilogue = bm * bn * (2 if out_dtype == torch.bfloat16 else 4)
             stages = max(1, min(stages, (_SHARED_BYTES - epilogue) // ((bm + bn) * bk * a.element_size())))
             self.tma = _scaled_mm_persistent_kernel.bind(B_KN=self.b_kn, BM=bm, BN=bn, BK=bk, num_warps=warps,
                                                           num_stages=stages, **kw)

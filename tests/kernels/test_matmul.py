@@ -1,4 +1,4 @@
-"""kernels.matmul: alpha * (A @ B^T) with FP32 accumulation, dense and grouped, against float64."""
+"""kernels.matmul's Triton kernels: alpha * (A @ B^T) with FP32 accumulation, dense and grouped, against float64."""
 
 import os
 
@@ -12,6 +12,12 @@ from fp4lab.kernels import matmul  # noqa: E402
 from fp4lab.kernels.matmul import contraction_grouped_mm, grouped_scaled_mm, scaled_mm  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def _triton_kernels(monkeypatch):
+    """These tests are of the Triton kernels: on a GPU, dense calls stay off cuBLASLt (test_blas.py)."""
+    monkeypatch.setattr(matmul, "CUBLASLT", False)
 
 
 def _bound(a, b, alpha):

@@ -512,6 +512,7 @@ def test_contraction_grouped_gemm_is_each_wgrad_alone(fmt, monkeypatch):
     sides: the same summation); a copy where the groups are not one buffer's columns gives the same."""
     from fp4lab.kernels import matmul
     monkeypatch.setattr(matmul, "USE_TMA", False)
+    monkeypatch.setattr(matmul, "CUBLASLT", False)
     torch.manual_seed(1)
     widths = [32, 96, 64]
     dy, x = torch.randn(sum(widths), 48, device=DEVICE), torch.randn(sum(widths), 80, device=DEVICE)

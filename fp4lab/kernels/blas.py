@@ -1,0 +1,213 @@
+"""cuBLASLt's BF16 GEMM with the tensor scale read from device memory: the dense scaled GEMM on CUDA.
+
+kernels.matmul's dense GEMM is C = round(alpha * (A @ B^T)) with an FP32 accumulation and alpha a
+device scalar (the product of the operands' tensor scales, known only on the device). cuBLASLt
+computes exactly that in its device pointer mode: alpha is read from memory when the GEMM runs, so
+nothing syncs and a CUDA graph can capture the call. At d12's fifteen GEMM shapes it took 0.82 of
+the persistent Triton kernel's time (cuBLAS's own speed: torch.mm's) and a third of its host time a
+call (benchmarks/NOTES.md, twenty-fourth session). It differs from the Triton kernels in summation
+order only: no workspace is given, so no algorithm splits K and sums partial results in bf16.
+
+The library is the one torch loaded (found in the process's mappings), called through ctypes: no
+build step. ``plan`` returns None wherever it does not apply (no CUDA, ROCm, the library not found,
+FP4LAB_CUBLASLT=0, an operand without a unit stride or not 16-byte aligned, another dtype), and
+matmul falls back to its Triton kernels. While torch.compile traces, a call is recorded as the
+custom op ``fp4lab::lt_scaled_mm`` (an opaque call Inductor makes at run time).
+
+Public: ``plan``, ``LtPlan``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import sys
+
+import torch
+
+from .host import env, tracing
+
+_BF16, _F32 = 14, 0  # cudaDataType_t
+_COMPUTE_32F = 68  # cublasComputeType_t
+_DESC_POINTER_MODE, _DESC_TRANSA, _DESC_TRANSB = 2, 3, 4  # cublasLtMatmulDescAttributes_t
+_POINTER_MODE_DEVICE = 1
+_PREF_MAX_WORKSPACE, _PREF_REDUCTION_MASK = 1, 3  # cublasLtMatmulPreferenceAttributes_t
+_PREF_ALIGNMENT = (5, 6, 7, 8)  # the minimum alignment of A, B, C and D in bytes
+_REDUCTION_COMPUTE_TYPE = 2  # a split K summed in fp32 (never INPLACE or OUTPUT_TYPE: sums in the output dtype)
+_ALIGN = 16
+
+
+class _Heuristic(ctypes.Structure):  # cublasLtMatmulHeuristicResult_t
+    _fields_ = [("algo", ctypes.c_uint64 * 8), ("workspace", ctypes.c_size_t), ("state", ctypes.c_int),
+                ("waves", ctypes.c_float), ("reserved", ctypes.c_int * 4)]
+
+
+def _loaded_path() -> str | None:
+    """The libcublasLt torch's CUDA build loaded into this process (Linux: /proc/self/maps)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.rsplit(" ", 1)[-1].strip()
+                if "/libcublasLt.so" in path:
+                    return path
+    except OSError:
+        pass
+    return None
+
+
+@functools.cache
+def _library():
+    """(the ctypes library, its handle), or None where cuBLASLt cannot be had."""
+    if torch.version.cuda is None or not torch.cuda.is_available() or not sys.platform.startswith("linux"):
+        return None
+    torch.cuda.current_blas_handle()  # (torch loads cuBLAS and cuBLASLt lazily)
+    path = _loaded_path()
+    if path is None:
+        return None
+    lib = ctypes.CDLL(path)
+    p, i, size = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
+    lib.cublasLtCreate.argtypes = [p]
+    lib.cublasLtMatmulDescCreate.argtypes = [p, i, i]
+    lib.cublasLtMatmulDescSetAttribute.argtypes = [p, i, p, size]
+    lib.cublasLtMatrixLayoutCreate.argtypes = [p, i, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int64]
+    lib.cublasLtMatmulPreferenceCreate.argtypes = [p]
+    lib.cublasLtMatmulPreferenceSetAttribute.argtypes = [p, i, p, size]
+    lib.cublasLtMatmulPreferenceDestroy.argtypes = [p]
+    lib.cublasLtMatmulAlgoGetHeuristic.argtypes = [p, p, p, p, p, p, p, i, p, p]
+    lib.cublasLtMatmul.argtypes = [p, p, p, p, p, p, p, p, p, p, p, p, p, p, size, p]
+    handle = ctypes.c_void_p()
+    if lib.cublasLtCreate(ctypes.byref(handle)) != 0:
+        return None
+    return lib, handle
+
+
+@functools.cache
+def _constants(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A device's fp32 1 (alpha where a GEMM has no scale) and 0 (beta: C is not read)."""
+    return (torch.ones((), dtype=torch.float32, device=device), torch.zeros((), dtype=torch.float32, device=device))
+
+
+def _check(status: int, what: str) -> None:
+    if status != 0:
+        raise RuntimeError(f"cuBLASLt {what} failed with status {status}")
+
+
+def _layout(t: torch.Tensor) -> tuple[int, int, int, int] | None:
+    """A 2D operand [rows, K] read as cuBLASLt's column-major matrix: (op, stored rows, stored
+    columns, leading dimension), op 1 (transposed) where its K axis is the unit stride; None where
+    no axis is, or the other stride is not a multiple of 16 bytes."""
+    rows, k = t.shape
+    if t.stride(1) == 1 and (t.stride(0) >= k or rows == 1):
+        op, stored, ld = 1, (k, rows), max(t.stride(0), k)
+    elif t.stride(0) == 1 and (t.stride(1) >= rows or k == 1):
+        op, stored, ld = 0, (rows, k), max(t.stride(1), rows)
+    else:
+        return None
+    if (ld * t.element_size()) % _ALIGN:
+        return None
+    return op, *stored, ld
+
+
+class LtPlan:
+    """One dense GEMM's cuBLASLt descriptors and algorithm, for its operands' shapes, strides and
+    dtypes (an FP4 linear makes the same three GEMMs every step): D [M, N] row-major, computed as
+    cuBLASLt's column-major D^T = op(B) op(A) with alpha and beta read from the device."""
+
+    def __init__(self, lib, handle, a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype,
+                 layouts: tuple[tuple, tuple]) -> None:
+        self._lib, self._handle = lib, handle
+        (m, k), n = a.shape, b.shape[0]
+        self.out_dtype = out_dtype
+        (op_b, *b_dims), (op_a, *a_dims) = layouts[1], layouts[0]
+        self._desc = ctypes.c_void_p()
+        _check(lib.cublasLtMatmulDescCreate(ctypes.byref(self._desc), _COMPUTE_32F, _F32), "descriptor")
+        for attr, value in ((_DESC_POINTER_MODE, _POINTER_MODE_DEVICE), (_DESC_TRANSA, op_b), (_DESC_TRANSB, 1 - op_a)):
+            v = ctypes.c_int32(value)
+            _check(lib.cublasLtMatmulDescSetAttribute(self._desc, attr, ctypes.byref(v), 4), "attribute")
+        # op_a (our layout's flag) says A's K is the unit stride: then A^T, read column-major, is
+        # already K x M and cuBLASLt's second operand takes no transpose
+        d_type = _BF16 if out_dtype == torch.bfloat16 else _F32
+        self._b, self._a, self._d = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
+        for desc, dtype, dims in ((self._b, _BF16, b_dims), (self._a, _BF16, a_dims), (self._d, d_type, (n, m, n))):
+            _check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(desc), dtype, *dims), "layout")
+        pref = ctypes.c_void_p()
+        _check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "preference")
+        try:
+            for attr, value in ((_PREF_MAX_WORKSPACE, ctypes.c_uint64(0)),
+                                (_PREF_REDUCTION_MASK, ctypes.c_uint32(_REDUCTION_COMPUTE_TYPE)),
+                                *((a, ctypes.c_uint32(_ALIGN)) for a in _PREF_ALIGNMENT)):
+                _check(lib.cublasLtMatmulPreferenceSetAttribute(pref, attr, ctypes.byref(value),
+                                                                ctypes.sizeof(value)), "preference attribute")
+            found, count = _Heuristic(), ctypes.c_int(0)
+            _check(lib.cublasLtMatmulAlgoGetHeuristic(handle, self._desc, self._b, self._a, self._d, self._d, pref, 1,
+                                                      ctypes.byref(found), ctypes.byref(count)), "heuristic")
+        finally:
+            lib.cublasLtMatmulPreferenceDestroy(pref)
+        if count.value < 1:
+            raise RuntimeError(f"cuBLASLt has no algorithm for {m} x {k} x {n}")
+        self._algo = found  # (kept alive: cublasLtMatmul reads the algorithm through its address)
+        self.m, self.n = m, n
+
+    def __call__(self, a: torch.Tensor, b: torch.Tensor, scales: list[torch.Tensor]) -> torch.Tensor:
+        """alpha * (a @ b^T) with alpha the product of ``scales`` (none, one or two [] fp32
+        tensors, multiplied as S_dec_A * S_dec_B is in fp32); recorded as fp4lab::lt_scaled_mm
+        while tracing."""
+        if tracing():
+            return torch.ops.fp4lab.lt_scaled_mm(a, b, scales, self.out_dtype == torch.bfloat16)
+        one, zero = _constants(a.device)
+        alpha = one if not scales else scales[0] if len(scales) == 1 else torch.mul(scales[0], scales[1])
+        out = torch.empty(self.m, self.n, dtype=self.out_dtype, device=a.device)
+        _check(self._lib.cublasLtMatmul(self._handle, self._desc, alpha.data_ptr(), b.data_ptr(), self._b, a.data_ptr(),
+                                        self._a, zero.data_ptr(), out.data_ptr(), self._d, out.data_ptr(), self._d,
+                                        ctypes.addressof(self._algo.algo), None, 0,
+                                        torch.cuda.current_stream(a.device).cuda_stream), "matmul")
+        return out
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    """16-byte aligned: by address, or while tracing (no address) by the offset in its storage,
+    which Inductor's and torch's allocations align."""
+    if tracing():
+        return (t.storage_offset() * t.element_size()) % _ALIGN == 0
+    return t.data_ptr() % _ALIGN == 0
+
+
+def plan(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> LtPlan | None:
+    """The cuBLASLt plan of a dense GEMM a [M, K] x b [N, K]^T, or None where it does not apply
+    (module doc). Made once per call shape by matmul's plan table; ``usable`` is asked per call."""
+    if (a.device.type != "cuda" or a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16
+            or out_dtype not in (torch.bfloat16, torch.float32) or env("FP4LAB_CUBLASLT", "1").lower() in (
+                "0", "false", "off", "no")):
+        return None
+    layouts = _layout(a), _layout(b)
+    # (made while a graph is captured, the device constants would be allocated in the graph's pool
+    # and written only at replay: that call shape keeps the Triton kernels, in and out of graphs)
+    if None in layouts or torch.cuda.is_current_stream_capturing():
+        return None
+    found = _library()
+    if found is None:
+        return None
+    try:
+        with torch.cuda.device(a.device):
+            _constants(a.device)
+            return LtPlan(*found, a, b, out_dtype, layouts)
+    except RuntimeError:
+        return None  # (no algorithm for this shape: the Triton kernels take it)
+
+
+def usable(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether this call's operands start where the plan's algorithm may read them."""
+    return _aligned(a) and _aligned(b)
+
+
+@torch.library.custom_op("fp4lab::lt_scaled_mm", mutates_args=())
+def _lt_scaled_mm(a: torch.Tensor, b: torch.Tensor, scales: list[torch.Tensor], bf16_out: bool) -> torch.Tensor:
+    """A traced call of matmul.scaled_mm that took cuBLASLt (the plan is found again at run time)."""
+    from .matmul import scaled_mm
+    return scaled_mm(a, b, tuple(scales) if len(scales) == 2 else scales[0] if scales else None,
+                     out_dtype=torch.bfloat16 if bf16_out else torch.float32)
+
+
+@_lt_scaled_mm.register_fake
+def _(a, b, scales, bf16_out):
+    return a.new_empty(a.shape[0], b.shape[0], dtype=torch.bfloat16 if bf16_out else torch.float32)

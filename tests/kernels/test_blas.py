@@ -1,0 +1,114 @@
+"""kernels.blas: the dense scaled GEMM on cuBLASLt (alpha read on the device), where it applies.
+
+On the CPU: which operands it takes and the traced op's fake. On a GPU: matmul.scaled_mm takes it
+at every layout the FP4 linear makes, and gives alpha * (A @ B^T) to fp32 summation order (to the
+bit where every sum is exact), under a CUDA graph as well; operands it cannot read fall back.
+"""
+
+import pytest
+import torch
+
+from fp4lab.kernels import blas
+
+CUDA = torch.cuda.is_available()
+gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+
+
+def test_an_operand_is_read_through_its_unit_stride_with_16_byte_rows():
+    assert blas._layout(torch.zeros(8, 16, dtype=torch.bfloat16)) == (1, 16, 8, 16)  # K contiguous: op T
+    assert blas._layout(torch.zeros(16, 8, dtype=torch.bfloat16).t()) == (0, 8, 16, 8)  # rows contiguous: op N
+    assert blas._layout(torch.zeros(8, 64, dtype=torch.bfloat16)[:, :16]) == (1, 16, 8, 64)  # a wider row
+    assert blas._layout(torch.zeros(8, 12, dtype=torch.bfloat16)) is None  # 24-byte rows
+    assert blas._layout(torch.zeros(8, 16, 2, dtype=torch.bfloat16)[:, :, 0]) is None  # no unit stride
+
+
+def test_no_plan_off_cuda_for_other_dtypes_or_when_switched_off(monkeypatch):
+    a = torch.zeros(16, 16, dtype=torch.bfloat16)
+    assert blas.plan(a, a, torch.bfloat16) is None  # the CPU
+    if CUDA:
+        c = a.cuda()
+        assert blas.plan(c.half(), c.half(), torch.bfloat16) is None
+        assert blas.plan(c, c, torch.float16) is None
+        monkeypatch.setenv("FP4LAB_CUBLASLT", "0")
+        assert blas.plan(c, c, torch.bfloat16) is None
+
+
+def test_the_traced_op_has_the_output_of_the_call():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        a, b = torch.empty(24, 32, dtype=torch.bfloat16), torch.empty(40, 32, dtype=torch.bfloat16)
+        s = torch.empty((), dtype=torch.float32)
+        for bf16, dtype in ((True, torch.bfloat16), (False, torch.float32)):
+            out = torch.ops.fp4lab.lt_scaled_mm(a, b, [s, s], bf16)
+            assert out.shape == (24, 40) and out.dtype == dtype and out.is_contiguous()
+
+
+def _exact_values(rows: int, k: int, g: torch.Generator) -> torch.Tensor:
+    """Block values as the quantizers write them (an E2M1 grid value times a power-of-two scale per
+    16), small enough that every partial sum below is exact in fp32."""
+    grid = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6])
+    v = grid[torch.randint(0, 8, (rows, k), generator=g)] * (1 - 2 * torch.randint(0, 2, (rows, k), generator=g))
+    scale = 2.0 ** torch.randint(-2, 3, (rows, k // 16, 1), generator=g)
+    return (v.view(rows, -1, 16) * scale).view(rows, k).bfloat16()
+
+
+def _layouts(t: torch.Tensor, row_major: bool) -> torch.Tensor:
+    return t.cuda() if row_major else t.t().contiguous().t().cuda()
+
+
+@gpu
+@pytest.mark.parametrize("a_rows,b_rows", [(True, True), (True, False), (False, True), (False, False)])
+@pytest.mark.parametrize("scales", [0, 1, 2])
+def test_exact_sums_give_the_rounded_exact_product_at_every_layout(a_rows, b_rows, scales, monkeypatch):
+    from fp4lab.kernels import matmul
+    calls = []
+    spy = blas.LtPlan.__call__
+    monkeypatch.setattr(blas.LtPlan, "__call__", lambda self, *a: (calls.append(1), spy(self, *a))[1])
+    g = torch.Generator().manual_seed(scales + 2 * a_rows + 4 * b_rows)
+    m, n, k = 272, 144, 512
+    a, b = _exact_values(m, k, g), _exact_values(n, k, g)
+    s = [torch.tensor(v, device="cuda") for v in (0.0173, 3.1e-4)][:scales]
+    alpha = tuple(s) if scales == 2 else s[0] if s else None
+    for dtype in (torch.bfloat16, torch.float32):
+        got = matmul.scaled_mm(_layouts(a, a_rows), _layouts(b, b_rows), alpha, out_dtype=dtype)
+        factor = (s[0] * s[1] if scales == 2 else s[0] if s else torch.tensor(1.0)).cpu()
+        want = ((a.float() @ b.float().T) * factor).to(dtype)  # the fp32 sum is exact; one multiply, one rounding
+        assert torch.equal(got.cpu(), want)
+    assert len(calls) == 2  # cuBLASLt took both
+
+
+@gpu
+def test_inexact_sums_are_within_fp32_summation_order_and_a_graph_replays_the_bits():
+    from fp4lab.kernels import matmul
+    from .test_matmul import _bound, _operands
+    a, b = _operands(1000, 384, 2048, 7)
+    alpha = torch.tensor(0.37, device="cuda")
+    out = matmul.scaled_mm(a.cuda(), b.cuda(), alpha, out_dtype=torch.float32).cpu()
+    ref = (a.double() @ b.double().T) * 0.37
+    assert bool(((out.double() - ref).abs() <= _bound(a, b, 0.37)).all())
+    ac, bc = a.cuda(), b.cuda()
+    eager = matmul.scaled_mm(ac, bc, alpha)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = matmul.scaled_mm(ac, bc, alpha)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, eager)
+    alpha.fill_(0.5)  # alpha is read when the GEMM runs
+    graph.replay()
+    assert torch.equal(captured, matmul.scaled_mm(ac, bc, alpha)) and not torch.equal(captured, eager)
+
+
+@gpu
+def test_operands_it_cannot_read_fall_back_to_the_triton_kernels(monkeypatch):
+    from fp4lab.kernels import matmul
+    calls = []
+    spy = blas.LtPlan.__call__
+    monkeypatch.setattr(blas.LtPlan, "__call__", lambda self, *a: (calls.append(1), spy(self, *a))[1])
+    g = torch.Generator().manual_seed(3)
+    base = _exact_values(65, 256, g).cuda()
+    a = base.view(-1)[8:8 + 64 * 256].view(64, 256)  # starts 16 bytes in: aligned
+    b = base.view(-1)[4:4 + 32 * 256].view(32, 256)  # 8 bytes in: not aligned
+    want = (a.float() @ b.float().T).bfloat16()
+    assert torch.equal(matmul.scaled_mm(a, b, None), want) and not calls
+    assert torch.equal(matmul.scaled_mm(a, a[:32], None), (a.float() @ a[:32].float().T).bfloat16()) and calls
