@@ -6,13 +6,18 @@ computes exactly that in its device pointer mode: alpha is read from memory when
 nothing syncs and a CUDA graph can capture the call. At d12's fifteen GEMM shapes it took 0.82 of
 the persistent Triton kernel's time (cuBLAS's own speed: torch.mm's) and a third of its host time a
 call (benchmarks/NOTES.md, twenty-fourth session). It differs from the Triton kernels in summation
-order only: no workspace is given, so no algorithm splits K and sums partial results in bf16.
+order only: the one reduction scheme allowed to split K sums the parts in fp32 (in a workspace,
+then one pass that applies alpha), never in the output's bf16.
 
 The library is the one torch loaded (found in the process's mappings), called through ctypes: no
 build step. ``plan`` returns None wherever it does not apply (no CUDA, ROCm, the library not found,
 FP4LAB_CUBLASLT=0, an operand without a unit stride or not 16-byte aligned, another dtype), and
 matmul falls back to its Triton kernels. While torch.compile traces, a call is recorded as the
 custom op ``fp4lab::lt_scaled_mm`` (an opaque call Inductor makes at run time).
+
+The split-K workspace is one buffer per device, as the device constants are (made with the first
+plan, never while a graph is captured): GEMMs of one device must not run on two streams at once,
+which nothing in fp4lab does (a captured graph replays on the stream it is given, in order).
 
 Public: ``plan``, ``LtPlan``.
 """
@@ -34,6 +39,7 @@ _POINTER_MODE_DEVICE = 1
 _PREF_MAX_WORKSPACE, _PREF_REDUCTION_MASK = 1, 3  # cublasLtMatmulPreferenceAttributes_t
 _PREF_ALIGNMENT = (5, 6, 7, 8)  # the minimum alignment of A, B, C and D in bytes
 _REDUCTION_COMPUTE_TYPE = 2  # a split K summed in fp32 (never INPLACE or OUTPUT_TYPE: sums in the output dtype)
+_WORKSPACE = 32 << 20  # bytes: split K at d12's [768, 768] weight gradient ran 1.6x faster (NOTES.md)
 _ALIGN = 16
 
 
@@ -82,9 +88,11 @@ def _library():
 
 
 @functools.cache
-def _constants(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """A device's fp32 1 (alpha where a GEMM has no scale) and 0 (beta: C is not read)."""
-    return (torch.ones((), dtype=torch.float32, device=device), torch.zeros((), dtype=torch.float32, device=device))
+def _constants(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A device's fp32 1 (alpha where a GEMM has no scale), 0 (beta: C is not read) and split-K
+    workspace."""
+    return (torch.ones((), dtype=torch.float32, device=device), torch.zeros((), dtype=torch.float32, device=device),
+            torch.empty(_WORKSPACE, dtype=torch.uint8, device=device))
 
 
 def _check(status: int, what: str) -> None:
@@ -133,7 +141,7 @@ class LtPlan:
         pref = ctypes.c_void_p()
         _check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "preference")
         try:
-            for attr, value in ((_PREF_MAX_WORKSPACE, ctypes.c_uint64(0)),
+            for attr, value in ((_PREF_MAX_WORKSPACE, ctypes.c_uint64(_WORKSPACE)),
                                 (_PREF_REDUCTION_MASK, ctypes.c_uint32(_REDUCTION_COMPUTE_TYPE)),
                                 *((a, ctypes.c_uint32(_ALIGN)) for a in _PREF_ALIGNMENT)):
                 _check(lib.cublasLtMatmulPreferenceSetAttribute(pref, attr, ctypes.byref(value),
@@ -154,12 +162,12 @@ class LtPlan:
         while tracing."""
         if tracing():
             return torch.ops.fp4lab.lt_scaled_mm(a, b, scales, self.out_dtype == torch.bfloat16)
-        one, zero = _constants(a.device)
+        one, zero, workspace = _constants(a.device)
         alpha = one if not scales else scales[0] if len(scales) == 1 else torch.mul(scales[0], scales[1])
         out = torch.empty(self.m, self.n, dtype=self.out_dtype, device=a.device)
         _check(self._lib.cublasLtMatmul(self._handle, self._desc, alpha.data_ptr(), b.data_ptr(), self._b, a.data_ptr(),
                                         self._a, zero.data_ptr(), out.data_ptr(), self._d, out.data_ptr(), self._d,
-                                        ctypes.addressof(self._algo.algo), None, 0,
+                                        ctypes.addressof(self._algo.algo), workspace.data_ptr(), _WORKSPACE,
                                         torch.cuda.current_stream(a.device).cuda_stream), "matmul")
         return out
 

@@ -112,3 +112,20 @@ def test_operands_it_cannot_read_fall_back_to_the_triton_kernels(monkeypatch):
     want = (a.float() @ b.float().T).bfloat16()
     assert torch.equal(matmul.scaled_mm(a, b, None), want) and not calls
     assert torch.equal(matmul.scaled_mm(a, a[:32], None), (a.float() @ a[:32].float().T).bfloat16()) and calls
+
+
+@gpu
+def test_a_long_contraction_into_a_small_output_sums_in_fp32_and_repeats_its_bits():
+    """d12's [768, 768] weight gradient over 16,384 tokens: where cuBLASLt splits K, the parts are
+    summed in fp32 (never in the bf16 output), in the same order every call."""
+    from fp4lab.kernels import matmul
+    from .test_matmul import _bound, _operands
+    a, b = _operands(768, 768, 16384, 11)
+    alpha = torch.tensor(0.37, device="cuda")
+    ac, bc = a.cuda(), b.cuda()
+    out = matmul.scaled_mm(ac, bc, alpha, out_dtype=torch.float32).cpu()
+    ref = (a.double() @ b.double().T) * 0.37
+    assert bool(((out.double() - ref).abs() <= _bound(a, b, 0.37)).all())
+    first = matmul.scaled_mm(ac, bc, alpha)
+    assert torch.equal(first, matmul.scaled_mm(ac, bc, alpha))
+    assert bool(((first.double().cpu() - ref).abs() <= _bound(a, b, 0.37) + ref.abs() * 2**-8).all())
