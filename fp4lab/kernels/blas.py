@@ -19,7 +19,7 @@ The split-K workspace is one buffer per device, as the device constants are (mad
 plan, never while a graph is captured): GEMMs of one device must not run on two streams at once,
 which nothing in fp4lab does (a captured graph replays on the stream it is given, in order).
 
-Public: ``plan``, ``LtPlan``.
+Public: ``plan``, ``LtPlan`` (``run``).
 """
 
 from __future__ import annotations
@@ -154,35 +154,39 @@ class LtPlan:
         if count.value < 1:
             raise RuntimeError(f"cuBLASLt has no algorithm for {m} x {k} x {n}")
         self._algo = found  # (kept alive: cublasLtMatmul reads the algorithm through its address)
-        self.m, self.n = m, n
-
-    def __call__(self, a: torch.Tensor, b: torch.Tensor, scales: list[torch.Tensor]) -> torch.Tensor:
-        """alpha * (a @ b^T) with alpha the product of ``scales`` (none, one or two [] fp32
-        tensors, multiplied as S_dec_A * S_dec_B is in fp32); recorded as fp4lab::lt_scaled_mm
-        while tracing."""
-        if tracing():
-            return torch.ops.fp4lab.lt_scaled_mm(a, b, scales, self.out_dtype == torch.bfloat16)
+        self.m, self.n, self.out_dtype = m, n, out_dtype
+        # the call's constant arguments, as plain ints (the call is on every GEMM's host path)
+        self._matmul = lib.cublasLtMatmul
+        self._device, self._index = a.device, a.device.index if a.device.index is not None else torch.cuda.current_device()
         one, zero, workspace = _constants(a.device)
-        alpha = one if not scales else scales[0] if len(scales) == 1 else torch.mul(scales[0], scales[1])
-        out = torch.empty(self.m, self.n, dtype=self.out_dtype, device=a.device)
-        _check(self._lib.cublasLtMatmul(self._handle, self._desc, alpha.data_ptr(), b.data_ptr(), self._b, a.data_ptr(),
-                                        self._a, zero.data_ptr(), out.data_ptr(), self._d, out.data_ptr(), self._d,
-                                        ctypes.addressof(self._algo.algo), workspace.data_ptr(), _WORKSPACE,
-                                        torch.cuda.current_stream(a.device).cuda_stream), "matmul")
+        self._one, self._zero, self._workspace = one, zero.data_ptr(), workspace.data_ptr()
+        self._algo_at = ctypes.addressof(found.algo)
+
+    def run(self, a: torch.Tensor, b: torch.Tensor, scales: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
+        """alpha * (a @ b^T) with alpha the product of ``scales`` (none, one or two [] fp32
+        tensors, multiplied as S_dec_A * S_dec_B is in fp32), recorded as fp4lab::lt_scaled_mm
+        while tracing; None where an operand does not start 16 bytes aligned (by address, or
+        while tracing by its offset in its storage, which torch's and Inductor's allocations
+        align): the caller's Triton kernels take that call."""
+        if tracing():
+            if (a.storage_offset() * 2) % _ALIGN or (b.storage_offset() * 2) % _ALIGN:
+                return None
+            return torch.ops.fp4lab.lt_scaled_mm(a, b, list(scales), self.out_dtype == torch.bfloat16)
+        a_at, b_at = a.data_ptr(), b.data_ptr()
+        if (a_at | b_at) % _ALIGN:
+            return None
+        alpha = self._one if not scales else scales[0] if len(scales) == 1 else torch.mul(scales[0], scales[1])
+        out = torch.empty(self.m, self.n, dtype=self.out_dtype, device=self._device)
+        out_at = out.data_ptr()
+        _check(self._matmul(self._handle, self._desc, alpha.data_ptr(), b_at, self._b, a_at, self._a, self._zero, out_at,
+                            self._d, out_at, self._d, self._algo_at, self._workspace, _WORKSPACE,
+                            torch._C._cuda_getCurrentRawStream(self._index)), "matmul")
         return out
-
-
-def _aligned(t: torch.Tensor) -> bool:
-    """16-byte aligned: by address, or while tracing (no address) by the offset in its storage,
-    which Inductor's and torch's allocations align."""
-    if tracing():
-        return (t.storage_offset() * t.element_size()) % _ALIGN == 0
-    return t.data_ptr() % _ALIGN == 0
 
 
 def plan(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> LtPlan | None:
     """The cuBLASLt plan of a dense GEMM a [M, K] x b [N, K]^T, or None where it does not apply
-    (module doc). Made once per call shape by matmul's plan table; ``usable`` is asked per call."""
+    (module doc). Made once per call shape by matmul's plan table."""
     if (a.device.type != "cuda" or a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16
             or out_dtype not in (torch.bfloat16, torch.float32) or env("FP4LAB_CUBLASLT", "1").lower() in (
                 "0", "false", "off", "no")):
@@ -197,15 +201,9 @@ def plan(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> LtPlan | N
         return None
     try:
         with torch.cuda.device(a.device):
-            _constants(a.device)
             return LtPlan(*found, a, b, out_dtype, layouts)
     except RuntimeError:
         return None  # (no algorithm for this shape: the Triton kernels take it)
-
-
-def usable(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether this call's operands start where the plan's algorithm may read them."""
-    return _aligned(a) and _aligned(b)
 
 
 @torch.library.custom_op("fp4lab::lt_scaled_mm", mutates_args=())

@@ -392,8 +392,8 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, alpha: torch.Tensor | tuple[torc
     plan = _DENSE_PLANS.get(key)
     if plan is None:
         plan = _DENSE_PLANS.keep(key, _DensePlan(a, b, out_dtype, len(pair)))
-    if plan.lt is not None and blas.usable(a, b):
-        return plan.lt(a, b, list(pair))
+    if plan.lt is not None and (out := plan.lt.run(a, b, pair)) is not None:
+        return out
     out = torch.empty(m, n, dtype=out_dtype, device=a.device)
     plan.launch(a, b, out, pair[0] if pair else out, pair[-1] if pair else out)  # (out: an unused pointer)
     return out
