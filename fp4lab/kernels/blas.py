@@ -90,9 +90,13 @@ def _library():
 @functools.cache
 def _constants(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A device's fp32 1 (alpha where a GEMM has no scale), 0 (beta: C is not read) and split-K
-    workspace."""
-    return (torch.ones((), dtype=torch.float32, device=device), torch.zeros((), dtype=torch.float32, device=device),
-            torch.empty(_WORKSPACE, dtype=torch.uint8, device=device))
+    workspace: real memory even where the first plan is made while torch.compile traces (under
+    its fake and functional modes a tensor made here would have no memory, and the plan kept for
+    the run would read address 0)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+    with _disable_current_modes():
+        return (torch.ones((), dtype=torch.float32, device=device), torch.zeros((), dtype=torch.float32, device=device),
+                torch.empty(_WORKSPACE, dtype=torch.uint8, device=device))
 
 
 def _check(status: int, what: str) -> None:

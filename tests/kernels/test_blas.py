@@ -43,6 +43,20 @@ def test_the_traced_op_has_the_output_of_the_call():
             assert out.shape == (24, 40) and out.dtype == dtype and out.is_contiguous()
 
 
+def test_the_device_constants_are_real_memory_when_first_made_while_tracing():
+    """A compiled model makes its first plans while torch.compile traces; the plan is kept for
+    the run, so the alpha, beta and workspace it points cuBLASLt at must not be fake tensors."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    blas._constants.cache_clear()
+    try:
+        with FakeTensorMode():
+            made = blas._constants(torch.device("cpu"))
+        assert not any(isinstance(t, FakeTensor) for t in made)
+        assert float(made[0]) == 1 and float(made[1]) == 0 and made[2].numel() == blas._WORKSPACE
+    finally:
+        blas._constants.cache_clear()
+
+
 def _counted(monkeypatch) -> list:
     """A list that gets an entry for every GEMM cuBLASLt runs."""
     calls, run = [], blas.LtPlan.run

@@ -15,6 +15,8 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from fp4lab.kernels import blas
+from fp4lab.kernels.host import tracing
 from fp4lab.nn import ops
 from fp4lab.nn.linear import fp4_linear, layer_keys
 from fp4lab.nn.gemms import QuantContext
@@ -150,8 +152,10 @@ def test_an_inductor_compiled_layer_gives_the_eager_bits_at_every_tick(recipe_na
     keys = layer_keys(["block.fc"])
     traced = ops.traceable(index, table, "cuda")
     assert traced == (table or recipe_name != "nvfp4")
-    calls = []
+    calls, lt_runs = [], []
     monkeypatch.setattr(ops, "_traced_calls", lambda *a, _f=ops._traced_calls: calls.append(1) or _f(*a))
+    # cuBLASLt's GEMMs are recorded into the graph (a plan first made while tracing works at run time)
+    monkeypatch.setattr(blas.LtPlan, "run", lambda self, *a, _f=blas.LtPlan.run: lt_runs.append(tracing()) or _f(self, *a))
     compiled = torch.compile(lambda x, w, b: fp4_linear(x, w, b, index, context=context, keys=keys), fullgraph=True)
     g = torch.Generator("cuda").manual_seed(0)
     x, dy = (torch.randn(n, k, device="cuda", generator=g).bfloat16() for n, k in ((256, 384), (256, 512)))
@@ -167,6 +171,7 @@ def test_an_inductor_compiled_layer_gives_the_eager_bits_at_every_tick(recipe_na
             assert bool(calls) == traced  # traced: the body ran while compiling
             calls.clear()
     assert not calls  # no Python of the body after compiling: Inductor launches the kernels
+    assert (True in lt_runs) == (traced and blas._library() is not None)
 
 
 @cuda
