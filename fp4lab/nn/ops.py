@@ -54,8 +54,8 @@ layer's call (``traceable``: the Triton kernels run, every seed the recipe draws
 slot, no ``bf16_after``, every GEMM fp4lab's kernels alone; and the context's ``traced_ops``), the
 layer takes two ``torch.library.triton_op`` instead:
 
-    fp4lab::gemms_traced           (x, weight, bias, layer, recipe, rank, seed_values, seeds, keep_x, keep_w,
-                                    identity) -> as fp4lab::gemms
+    fp4lab::gemms_traced           (x, weight, bias, layer, recipe, rank, seed_values, seeds, keep_x, keep_w)
+                                   -> as fp4lab::gemms
     fp4lab::gemms_traced_backward  (dy, x, weight, layer, recipe, rank, seed_values, seeds, need_dx, need_dw,
                                     x_wgrad, x_wgrad_scale, w_values, w_scale) -> (dx, dw)
 
@@ -63,9 +63,7 @@ Their body is the same (``_forward``, ``_backward_body``), but AOTAutograd trace
 checks and Calls run once, while compiling, and each kernel launch is recorded (kernels.launch:
 ``wrap_triton``) for Inductor to make from its generated code. ``layer`` is the layer's key as an
 int (a constant of the graph: the layer's seeds are looked up by it while tracing; 0 for a recipe
-that draws none), ``identity`` ``traced_identity``'s hash of what the body's compiled code depends on
-beyond the arguments (so torch.compile's caches, blind to the body, never replay another's), and
-``seed_values`` the table's buffer, whose slots the graph reads
+that draws none), and ``seed_values`` the table's buffer, whose slots the graph reads
 (nn.seeds.SeedSlots): the compiled step reads each tick's seeds. kernels.matmul's persistent GEMM
 makes its TMA descriptors on the device there (a host descriptor cannot be recorded).
 FP4LAB_TRACED=0 keeps every layer on the opaque ops. A key read as an int is a guard on its value:
@@ -75,16 +73,12 @@ eagerly, so a model with grouped experts (routing may break its graph) keeps the
 (QuantContext.traced_ops).
 
 Public: ``register_recipe``, ``recipe_index``, ``registered_recipe``, ``as_recipe``, ``RecipeSlot``,
-``LayerKeys``, ``traceable``, ``traced_identity``, ``fp4_gemms_op``.
+``LayerKeys``, ``traceable``, ``fp4_gemms_op``.
 """
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import importlib.util
-import os
-from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -337,7 +331,7 @@ def _traced_op(name: str):
 
 @_traced_op("fp4lab::gemms_traced")
 def _gemms_traced(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: int, recipe: int,
-                  rank: int, seed_values: torch.Tensor | None, seeds: int, keep_x: bool, keep_w: bool, identity: int
+                  rank: int, seed_values: torch.Tensor | None, seeds: int, keep_x: bool, keep_w: bool
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     calls = _traced_calls(layer, recipe, rank, seed_values, seeds)
     return _forward(x, weight, bias, [x.shape[0]], calls, False, keep_x, keep_w, registered_recipe(recipe))
@@ -363,7 +357,7 @@ def _traced_calls(layer: int, recipe: int, rank: int, seed_values: torch.Tensor 
 
 
 def _setup_traced(ctx, inputs, output) -> None:
-    x, weight, bias, layer, recipe, rank, seed_values, seeds, keep_x, keep_w, _ = inputs
+    x, weight, bias, layer, recipe, rank, seed_values, seeds, keep_x, keep_w = inputs
     _save(ctx, x, weight, bias, output, seed_values)
     ctx.args = (layer, recipe, rank)
     ctx.seeds = seeds
@@ -373,7 +367,7 @@ def _backward_traced(ctx, dy: torch.Tensor, *unused):
     x, weight, seed_values, *kept = _saved(ctx)
     dx, dw = torch.ops.fp4lab.gemms_traced_backward(dy, x, weight, *ctx.args, seed_values, ctx.seeds,
                                                     *ctx.needs_input_grad[:2], *kept)
-    return _gradients(ctx, dy, dx, dw, 11)
+    return _gradients(ctx, dy, dx, dw, 10)
 
 
 _gemms_traced.register_autograd(_backward_traced, setup_context=_setup_traced)
@@ -394,37 +388,6 @@ def traceable(recipe: int, table: bool, device: str) -> bool:
     return (device == "cuda" and kernels.uses_triton(torch.device(device)) and env("TRITON_INTERPRET") != "1"
             and env("FP4LAB_TRACED", "1").lower() not in ("0", "false", "off", "no")
             and r.bf16_after is None and kernels_only(r) and (table or not draws_seeds(r)))
-
-
-# the packages whose code a traced op's body runs while torch.compile traces it
-_TRACED_SOURCES = ("formats", "kernels", "nn")
-
-
-@functools.cache
-def _source_digest() -> bytes:
-    """SHA-256 over the source of _TRACED_SOURCES' modules, path and bytes (read once a process)."""
-    root = Path(__file__).resolve().parents[1]
-    digest = hashlib.sha256()
-    for package in _TRACED_SOURCES:
-        for path in sorted((root / package).rglob("*.py")):
-            digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
-    return digest.digest()
-
-
-@torch.compiler.assume_constant_result  # (a constant of the graph, computed while tracing)
-def traced_identity(recipe: int) -> int:
-    """What a traced op's compiled code depends on beyond its arguments, as a 56-bit int the
-    forward op takes: fp4lab's source (formats, kernels, nn), the registered recipe itself (its
-    index means another recipe in another process), the FP4LAB_* and TRITON_* environment, and
-    kernels.matmul's switches. torch.compile's caches (AOTAutograd's, Inductor's FX graph cache)
-    key a graph by its nodes and constants and cannot see into a traced op's body, which the
-    compiled code holds as Triton launches: a warm cache replayed another commit's kernels, and
-    another FP4LAB_CUBLASLT's GEMMs, in seconds (benchmarks/NOTES.md, twenty-fourth session).
-    With this constant in the graph such a graph is a cache miss."""
-    from ..kernels import matmul
-    switches = sorted((k, v) for k, v in os.environ.items() if k.startswith(("FP4LAB_", "TRITON_")))
-    state = repr((registered_recipe(recipe), switches, matmul.CUBLASLT, matmul.PERSISTENT, matmul.USE_TMA))
-    return int.from_bytes(hashlib.sha256(_source_digest() + state.encode()).digest()[:7], "little")
 
 
 @torch.compiler.assume_constant_result
@@ -454,9 +417,7 @@ def fp4_gemms_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
             and traceable(index, seeds >= 0, x.device.type)):
         values = None if context.seeds is None else context.seeds.values
         layer = (layers.ints if isinstance(layers, LayerKeys) else list(layers))[0] if _keyed(index) else 0
-        # (the identity only matters to a compiled graph's cache; eager calls skip its hashing)
-        identity = traced_identity(index) if torch.compiler.is_compiling() else 0
-        return _gemms_traced(x, weight, bias, layer, index, context.rank, values, seeds, keep_x, keep_w, identity)[0]
+        return _gemms_traced(x, weight, bias, layer, index, context.rank, values, seeds, keep_x, keep_w)[0]
     keys = (layers.tensor if isinstance(layers, LayerKeys) else layers if isinstance(layers, torch.Tensor)
             else torch.tensor(list(layers), dtype=torch.int64))
     counts, sizes = (sizes, []) if isinstance(sizes, torch.Tensor) else (None, list(sizes))

@@ -89,7 +89,7 @@ def test_the_traced_ops_run_eagerly_give_the_opaque_ops_bits_and_gradients(recip
                    for shape in ((64, 32), (1, 48, 32), (48,), (64, 48)))
     key = 1234
     traced = _layer_step(lambda x, w, b: torch.ops.fp4lab.gemms_traced(
-        x, w, b, key, index, 0, table.values, table.index, True, True, 0)[0], x, w, b, dy)
+        x, w, b, key, index, 0, table.values, table.index, True, True)[0], x, w, b, dy)
     opaque = _layer_step(lambda x, w, b: torch.ops.fp4lab.gemms(
         x, w, b, [64], None, torch.tensor([key]), index, context.clock, 0, table.index, False, True, True)[0],
         x, w, b, dy)
@@ -194,51 +194,3 @@ def test_a_compiled_model_on_the_traced_ops_is_one_graph_with_close_losses(monke
             got = compiled(idx[:, :-1], idx[:, 1:]).item()
         assert abs(got - want) < 2e-2 * abs(want), (tick, got, want)  # (Inductor's own kernels elsewhere)
     assert calls  # the layers took the traced ops (their bodies ran while compiling)
-
-
-def test_the_traced_identity_moves_with_the_source_the_recipe_and_the_switches(monkeypatch):
-    """torch.compile's caches key a graph by its nodes and constants and cannot see into a traced
-    op's body: the identity the forward op takes must change with everything the body's compiled
-    code depends on, and with nothing else."""
-    from fp4lab.kernels import matmul
-    monkeypatch.delenv("FP4LAB_CUBLASLT", raising=False)
-    nvfp4, mxfp4 = _index("nvfp4"), _index("mxfp4_hadamard")
-    first = ops.traced_identity(nvfp4)
-    assert first == ops.traced_identity(nvfp4) and 0 <= first < 2**56
-    assert ops.traced_identity(mxfp4) != first  # another recipe (the same index in another process)
-    monkeypatch.setenv("FP4LAB_CUBLASLT", "0")
-    assert ops.traced_identity(nvfp4) != first  # the GEMMs the body records
-    monkeypatch.delenv("FP4LAB_CUBLASLT")
-    monkeypatch.setattr(matmul, "PERSISTENT", not matmul.PERSISTENT)
-    assert ops.traced_identity(nvfp4) != first
-    monkeypatch.setattr(matmul, "PERSISTENT", not matmul.PERSISTENT)
-    monkeypatch.setattr(ops, "_source_digest", lambda: b"another commit")
-    assert ops.traced_identity(nvfp4) != first
-    monkeypatch.undo()
-    assert ops.traced_identity(nvfp4) == first
-    monkeypatch.setenv("SOME_OTHER_SETTING", "1")  # not read by the body
-    assert ops.traced_identity(nvfp4) == first
-
-
-def test_the_traced_forward_op_gets_the_identity_as_a_graph_constant(monkeypatch):
-    """fp4_gemms_op hands the traced op traced_identity(recipe); under dynamo the value is a
-    constant of the graph (assume_constant_result), so it is part of the cache key."""
-    seen = []
-    monkeypatch.setattr(ops, "traceable", lambda *a: True)
-    monkeypatch.setattr(ops, "_gemms_traced", lambda *args: seen.append(args[-1]) or (args[0],))
-    index = _index("nvfp4_plain")
-    context = QuantContext()
-    x, w = torch.zeros(32, 16), torch.zeros(24, 16)
-    ops.fp4_gemms_op(x, w, None, [32], [7], index, context, grouped=False)
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    ops.fp4_gemms_op(x, w, None, [32], [7], index, context, grouped=False)
-    assert seen == [0, ops.traced_identity(index)]  # eager calls skip the hashing
-    torch._dynamo.reset()
-    monkeypatch.undo()
-    monkeypatch.setattr(ops, "traceable", lambda *a: True)
-    monkeypatch.setattr(ops, "_gemms_traced", lambda *args: seen.append(args[-1]) or (args[0],))
-    seen.clear()
-    compiled = torch.compile(lambda x, w: ops.fp4_gemms_op(x, w, None, [32], [7], index, context, grouped=False),
-                             backend="eager", fullgraph=True)
-    compiled(x, w)
-    assert seen == [ops.traced_identity(index)]

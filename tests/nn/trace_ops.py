@@ -119,7 +119,7 @@ def trace(recipe_name: str) -> str:
     seeds = torch.zeros(64, dtype=torch.int64)
 
     def forward(x, w, seeds):
-        return torch.ops.fp4lab.gemms_traced(x, w, None, 1234, index, 0, seeds, table.index, True, True, 0)
+        return torch.ops.fp4lab.gemms_traced(x, w, None, 1234, index, 0, seeds, table.index, True, True)
 
     def backward(dy, x, w, seeds, *kept):
         return torch.ops.fp4lab.gemms_traced_backward(dy, x, w, 1234, index, 0, seeds, table.index, True, True, *kept)
