@@ -66,7 +66,9 @@ int (a constant of the graph: the layer's seeds are looked up by it while tracin
 that draws none), and ``seed_values`` the table's buffer, whose slots the graph reads
 (nn.seeds.SeedSlots): the compiled step reads each tick's seeds. kernels.matmul's persistent GEMM
 makes its TMA descriptors on the device there (a host descriptor cannot be recorded).
-FP4LAB_TRACED=0 keeps every layer on the opaque ops. A key read as an int is a guard on its value:
+FP4LAB_TRACED=0 keeps every layer on the opaque ops. AOTAutograd's compile cache cannot see into
+a traced op's body, so a process that compiles one turns that cache off (``_without_autograd_cache``;
+Inductor's own cache still keys on the recorded kernels). A key read as an int is a guard on its value:
 a model compiled in several frames (a graph break in each block) would compile a seed-drawing
 traced layer's frame once per layer, and past dynamo's recompile limit run the later blocks
 eagerly, so a model with grouped experts (routing may break its graph) keeps the opaque ops
@@ -390,6 +392,22 @@ def traceable(recipe: int, table: bool, device: str) -> bool:
             and r.bf16_after is None and kernels_only(r) and (table or not draws_seeds(r)))
 
 
+@torch.compiler.assume_constant_result  # (so dynamo runs it for real while it traces the call)
+def _without_autograd_cache() -> bool:
+    """Turns AOTAutograd's compile cache off in this process; called where dynamo traces a traced
+    op's call, before the frame is handed to AOTAutograd. That cache keys a graph by dynamo's nodes
+    and constants and cannot see into a traced op's body, so a hit skips the body: its kernels
+    would come from whatever code compiled the cached graph (on the H100 another commit's kernels,
+    and another FP4LAB_CUBLASLT's GEMMs, came back in seconds: benchmarks/NOTES.md, twenty-fourth
+    session), its recipe index would name another process's recipe, and no SeedTable slot would be
+    drawn, so the graph would read seeds nobody writes. Without it the body is traced in every
+    process and Inductor's own cache keys on the kernels it records (their source included).
+    TORCHINDUCTOR_AUTOGRAD_CACHE=1 in the environment overrides this: don't, with FP4 layers."""
+    import torch._functorch.config as functorch_config
+    functorch_config.enable_autograd_cache = False
+    return True
+
+
 @torch.compiler.assume_constant_result
 def _keyed(recipe: int) -> bool:
     """Whether a traced layer under the registered ``recipe`` needs its key: only to find the
@@ -417,6 +435,8 @@ def fp4_gemms_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
             and traceable(index, seeds >= 0, x.device.type)):
         values = None if context.seeds is None else context.seeds.values
         layer = (layers.ints if isinstance(layers, LayerKeys) else list(layers))[0] if _keyed(index) else 0
+        if torch.compiler.is_compiling():
+            _without_autograd_cache()
         return _gemms_traced(x, weight, bias, layer, index, context.rank, values, seeds, keep_x, keep_w)[0]
     keys = (layers.tensor if isinstance(layers, LayerKeys) else layers if isinstance(layers, torch.Tensor)
             else torch.tensor(list(layers), dtype=torch.int64))

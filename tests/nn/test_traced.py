@@ -194,3 +194,25 @@ def test_a_compiled_model_on_the_traced_ops_is_one_graph_with_close_losses(monke
             got = compiled(idx[:, :-1], idx[:, 1:]).item()
         assert abs(got - want) < 2e-2 * abs(want), (tick, got, want)  # (Inductor's own kernels elsewhere)
     assert calls  # the layers took the traced ops (their bodies ran while compiling)
+
+
+def test_compiling_a_traced_op_turns_off_the_autograd_cache(monkeypatch):
+    """AOTAutograd's cache cannot see into a traced op's body (ops._without_autograd_cache): a
+    compile that traces one turns it off before AOTAutograd runs; eager calls leave it alone."""
+    import torch._functorch.config as functorch_config
+    monkeypatch.setattr(functorch_config, "enable_autograd_cache", True)
+    monkeypatch.setattr(ops, "traceable", lambda *a: True)
+    monkeypatch.setattr(ops, "_gemms_traced", lambda *args: (args[0] * 1,))
+    index = _index("nvfp4_plain")
+    context = QuantContext()
+    x, w = torch.zeros(32, 16), torch.zeros(24, 16)
+    ops.fp4_gemms_op(x, w, None, [32], [7], index, context, grouped=False)
+    assert functorch_config.enable_autograd_cache  # eager: untouched
+    torch._dynamo.reset()
+    seen = []
+    compiled = torch.compile(lambda x, w: ops.fp4_gemms_op(x, w, None, [32], [7], index, context, grouped=False),
+                             backend=lambda gm, inputs: seen.append(functorch_config.enable_autograd_cache) or gm,
+                             fullgraph=True)
+    compiled(x, w)
+    assert seen == [False]  # already off when the backend (AOTAutograd, under Inductor) got the graph
+    torch._dynamo.reset()
