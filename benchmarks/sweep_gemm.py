@@ -82,7 +82,7 @@ def main() -> None:
         a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
         bf16 = graph_ms(lambda: torch.mm(a, b.T))
-        with tile(CONFIGS[0], persistent=False):  # the bits every tile and kernel is held to
+        with tile(CONFIGS[0], persistent=False):  # the bits every Triton tile and kernel is held to
             reference = matmul.scaled_mm(a, b, alpha)
         # matmul's default as launched at this shape (cuBLASLt on CUDA; else the Triton kernel at its tile)
         totals["default"] += count * graph_ms(lambda: matmul.scaled_mm(a, b, alpha))

@@ -4,7 +4,8 @@ This face owns two choices the layers above never make: the backend, and the ope
 
 ``Backend`` picks the implementation: AUTO (the default) runs Triton for CUDA tensors and the
 reference (fp4lab.formats) for everything else; REFERENCE forces the reference (for debugging);
-TRITON forces Triton (CUDA, or any device under TRITON_INTERPRET=1). The environment variable
+TRITON forces Triton (CUDA, or any device under TRITON_INTERPRET=1; a dense GEMM on CUDA then runs
+on cuBLASLt where it applies, kernels.blas: the same function, another summation order). The environment variable
 FP4LAB_BACKEND sets the default. Where Triton is missing, AUTO warns once and uses the reference.
 Triton is imported here lazily, so this package imports on a machine without it.
 
@@ -194,13 +195,14 @@ def to_values(q: FP4Tensor, *, backend: str | Backend | None = None) -> BlockVal
 def values_mm(a: BlockValues, b: BlockValues, *, out_dtype: torch.dtype = torch.float32,
               backend: str | Backend | None = None) -> torch.Tensor:
     """C = alpha * (A @ B^T) from two BlockValues along the same K: [a.rows, b.rows] ``out_dtype``.
-    Triton: kernels.matmul.scaled_mm (alpha in the epilogue); reference: formats.emulated_mm's
-    operations (fp32 matmul of the exact values, then alpha, then the cast)."""
+    Triton: kernels.matmul.scaled_mm (alpha in the epilogue; cuBLASLt for a dense call on CUDA);
+    reference: formats.emulated_mm's operations (fp32 matmul of the exact values, then alpha, then
+    the cast)."""
     _check_values_pair(a, b)
     if uses_triton(a.values, backend):
         if out_dtype in (torch.float32, torch.bfloat16):
             from .matmul import scaled_mm
-            # the two tensor scales go to the epilogue, which multiplies them (no launch for alpha)
+            # the two tensor scales go to the GEMM, which multiplies them (the Triton epilogue, with no launch)
             scales = None if a.tensor_scale is None or b.tensor_scale is None else (a.tensor_scale, b.tensor_scale)
             return scaled_mm(a.matrix, b.matrix, scales, out_dtype=out_dtype)
         _warn_once(f"fp4lab.kernels.values_mm writes float32 or bfloat16; {out_dtype} runs the reference matmul")

@@ -27,6 +27,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import sys
+import weakref
 
 import torch
 
@@ -79,6 +80,8 @@ def _library():
     lib.cublasLtMatmulPreferenceCreate.argtypes = [p]
     lib.cublasLtMatmulPreferenceSetAttribute.argtypes = [p, i, p, size]
     lib.cublasLtMatmulPreferenceDestroy.argtypes = [p]
+    lib.cublasLtMatmulDescDestroy.argtypes = [p]
+    lib.cublasLtMatrixLayoutDestroy.argtypes = [p]
     lib.cublasLtMatmulAlgoGetHeuristic.argtypes = [p, p, p, p, p, p, p, i, p, p]
     lib.cublasLtMatmul.argtypes = [p, p, p, p, p, p, p, p, p, p, p, p, p, p, size, p]
     handle = ctypes.c_void_p()
@@ -95,13 +98,25 @@ def _constants(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.
     the run would read address 0)."""
     from torch.utils._python_dispatch import _disable_current_modes
     with _disable_current_modes():
-        return (torch.ones((), dtype=torch.float32, device=device), torch.zeros((), dtype=torch.float32, device=device),
+        made = (torch.ones((), dtype=torch.float32, device=device), torch.zeros((), dtype=torch.float32, device=device),
                 torch.empty(_WORKSPACE, dtype=torch.uint8, device=device))
+    if device.type == "cuda":  # (filled on the current stream; GEMMs may run on another)
+        torch.cuda.current_stream(device).synchronize()
+    return made
 
 
 def _check(status: int, what: str) -> None:
     if status != 0:
         raise RuntimeError(f"cuBLASLt {what} failed with status {status}")
+
+
+def _destroy(lib, desc: ctypes.c_void_p, layouts: tuple[ctypes.c_void_p, ...]) -> None:
+    """Frees a plan's descriptors (those made: a null handle was never created)."""
+    for layout in layouts:
+        if layout.value:
+            lib.cublasLtMatrixLayoutDestroy(layout)
+    if desc.value:
+        lib.cublasLtMatmulDescDestroy(desc)
 
 
 def _layout(t: torch.Tensor) -> tuple[int, int, int, int] | None:
@@ -132,6 +147,10 @@ class LtPlan:
         self.out_dtype = out_dtype
         (op_b, *b_dims), (op_a, *a_dims) = layouts[1], layouts[0]
         self._desc = ctypes.c_void_p()
+        self._b, self._a, self._d = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
+        # the descriptors are freed with the plan (matmul's plan table drops plans when it fills),
+        # or here if the plan cannot be made
+        weakref.finalize(self, _destroy, lib, self._desc, (self._b, self._a, self._d))
         _check(lib.cublasLtMatmulDescCreate(ctypes.byref(self._desc), _COMPUTE_32F, _F32), "descriptor")
         for attr, value in ((_DESC_POINTER_MODE, _POINTER_MODE_DEVICE), (_DESC_TRANSA, op_b), (_DESC_TRANSB, 1 - op_a)):
             v = ctypes.c_int32(value)
@@ -139,7 +158,6 @@ class LtPlan:
         # op_a (our layout's flag) says A's K is the unit stride: then A^T, read column-major, is
         # already K x M and cuBLASLt's second operand takes no transpose
         d_type = _BF16 if out_dtype == torch.bfloat16 else _F32
-        self._b, self._a, self._d = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
         for desc, dtype, dims in ((self._b, _BF16, b_dims), (self._a, _BF16, a_dims), (self._d, d_type, (n, m, n))):
             _check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(desc), dtype, *dims), "layout")
         pref = ctypes.c_void_p()
@@ -162,8 +180,9 @@ class LtPlan:
         # the call's constant arguments, as plain ints (the call is on every GEMM's host path)
         self._matmul = lib.cublasLtMatmul
         self._device, self._index = a.device, a.device.index if a.device.index is not None else torch.cuda.current_device()
-        one, zero, workspace = _constants(a.device)
-        self._one, self._zero, self._workspace = one, zero.data_ptr(), workspace.data_ptr()
+        self._constants = _constants(a.device)  # (held: the call passes their addresses)
+        self._one, self._zero, self._workspace = (self._constants[0], self._constants[1].data_ptr(),
+                                                  self._constants[2].data_ptr())
         self._algo_at = ctypes.addressof(found.algo)
 
     def run(self, a: torch.Tensor, b: torch.Tensor, scales: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
@@ -179,6 +198,9 @@ class LtPlan:
         a_at, b_at = a.data_ptr(), b.data_ptr()
         if (a_at | b_at) % _ALIGN:
             return None
+        if torch._C._cuda_getDevice() != self._index:  # (cuBLASLt launches on the current device)
+            with torch.cuda.device(self._index):
+                return self.run(a, b, scales)
         alpha = self._one if not scales else scales[0] if len(scales) == 1 else torch.mul(scales[0], scales[1])
         out = torch.empty(self.m, self.n, dtype=self.out_dtype, device=self._device)
         out_at = out.data_ptr()
@@ -190,12 +212,16 @@ class LtPlan:
 
 def plan(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> LtPlan | None:
     """The cuBLASLt plan of a dense GEMM a [M, K] x b [N, K]^T, or None where it does not apply
-    (module doc). Made once per call shape by matmul's plan table."""
+    (module doc). Made once per call shape by matmul's plan table, so FP4LAB_CUBLASLT is read
+    once per call shape (as TRITON_INTERPRET is), and a shape first met while a graph is captured
+    keeps the Triton kernels in and out of graphs."""
     if (a.device.type != "cuda" or a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16
             or out_dtype not in (torch.bfloat16, torch.float32) or env("FP4LAB_CUBLASLT", "1").lower() in (
                 "0", "false", "off", "no")):
         return None
     layouts = _layout(a), _layout(b)
+    if (b.shape[0] * (2 if out_dtype == torch.bfloat16 else 4)) % _ALIGN:
+        return None  # (the output's rows would not start 16-byte aligned)
     # (made while a graph is captured, the device constants would be allocated in the graph's pool
     # and written only at replay: that call shape keeps the Triton kernels, in and out of graphs)
     if None in layouts or torch.cuda.is_current_stream_capturing():

@@ -317,6 +317,8 @@ def _check(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, *alphas: to
         raise TypeError(f"scaled_mm writes float32 or bfloat16, got {out_dtype}")
     if a.shape[-1] != b.shape[-1]:
         raise ValueError(f"K mismatch: a is {tuple(a.shape)}, b is {tuple(b.shape)}")
+    if b.device != a.device:
+        raise ValueError(f"scaled_mm takes both operands on one device, got {a.device} and {b.device}")
     for alpha in alphas:
         if alpha.dtype != torch.float32 or alpha.device != a.device:
             raise TypeError(f"alpha must be a float32 tensor on {a.device}, got {alpha.dtype} on {alpha.device}")
@@ -372,8 +374,9 @@ def _grouped_launch(a, b, out, alpha, s_alpha, tiles, m, n, k):
 def scaled_mm(a: torch.Tensor, b: torch.Tensor, alpha: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None, *,
               out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """a: [M, K] bf16, b: [N, K] bf16 (any strides), alpha: [] fp32 -> alpha * (a @ b^T): [M, N].
-    ``alpha`` may also be two [] fp32 tensors (S_dec_A, S_dec_B), multiplied in the epilogue as
-    ``S_dec_A * S_dec_B`` would be (the same bits, without a launch for the product), or None: 1."""
+    ``alpha`` may also be two [] fp32 tensors (S_dec_A, S_dec_B), multiplied as ``S_dec_A *
+    S_dec_B`` would be (the Triton kernels in their epilogue, with no launch for the product;
+    cuBLASLt takes one alpha, so that path launches the product), or None: 1."""
     pair = alpha if isinstance(alpha, tuple) else (alpha,) if alpha is not None else ()
     if isinstance(alpha, tuple) and len(alpha) != 2:
         raise ValueError(f"scaled_mm takes alpha as one tensor, a pair (S_dec_A, S_dec_B) or None, got {len(alpha)}")
