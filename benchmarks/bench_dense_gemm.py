@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import environment, graph_ms, save  # noqa: E402
+from benchmarks.common import environment, graph_ms, host_us, save  # noqa: E402
 from benchmarks.sweep_gemm import block_gemms  # noqa: E402
 from fp4lab.kernels import matmul  # noqa: E402
 
@@ -33,19 +32,6 @@ def _scaled(a: torch.Tensor, b: torch.Tensor, pair: tuple, lt: bool):
         matmul.CUBLASLT = lt
         return matmul.scaled_mm(a, b, pair)
     return call
-
-
-def host_us(fn, calls: int = 300) -> float:
-    """Microseconds of host time a call, eager (at a shape small enough that the host is the bound)."""
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    begin = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    spent = time.perf_counter() - begin
-    torch.cuda.synchronize()
-    return spent / calls * 1e6
 
 
 def main() -> None:
@@ -86,8 +72,8 @@ def main() -> None:
               f"Triton / cuBLASLt {totals['triton'] / totals['cublaslt']:.3f}")
         a = torch.randn(512, 512, device="cuda").bfloat16()
         b = torch.randn(512, 512, device="cuda").bfloat16()
-        host = {"cublaslt": host_us(_scaled(a, b, pair, True)), "triton": host_us(_scaled(a, b, pair, False)),
-                "torch_mm": host_us(lambda: torch.mm(a, b.T))}
+        host = {"cublaslt": host_us(_scaled(a, b, pair, True), 300), "triton": host_us(_scaled(a, b, pair, False), 300),
+                "torch_mm": host_us(lambda: torch.mm(a, b.T), 300)}
         print("host time a call at 512^3 (us):", {key: round(v, 1) for key, v in host.items()})
     finally:
         matmul.CUBLASLT = saved

@@ -8,6 +8,7 @@ import json
 import os
 import platform
 import subprocess
+import time
 from pathlib import Path
 
 import torch
@@ -84,6 +85,20 @@ def captured_ms(fn, warmup: int = 3) -> float:
     with torch.cuda.graph(graph):
         fn()
     return bench_ms(graph.replay)
+
+
+def host_us(fn, calls: int = 2000) -> float:
+    """Microseconds of host time a call of fn(), eager: its launches' cost where the GPU keeps up
+    (call it at a shape small enough that the host is the bound)."""
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    seconds = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return seconds / calls * 1e6
 
 
 def kernel_ms(fn, reps: int = 10, warmup: int = 3) -> float:

@@ -15,25 +15,12 @@ The steps follow Triton 3.6's JITFunction.run. Writes benchmarks/results/launch_
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import environment, save  # noqa: E402
-
-
-def host_us(fn, calls: int = 2000) -> float:
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    seconds = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return seconds / calls * 1e6
+from benchmarks.common import environment, host_us, save  # noqa: E402
 
 
 def linear_launches() -> dict:
