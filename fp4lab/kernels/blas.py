@@ -4,8 +4,8 @@ kernels.matmul's dense GEMM is C = round(alpha * (A @ B^T)) with an FP32 accumul
 device scalar (the product of the operands' tensor scales, known only on the device). cuBLASLt
 computes exactly that in its device pointer mode: alpha is read from memory when the GEMM runs, so
 nothing syncs and a CUDA graph can capture the call. At d12's fifteen GEMM shapes it took 0.82 of
-the persistent Triton kernel's time (cuBLAS's own speed: torch.mm's) and a third of its host time a
-call (benchmarks/NOTES.md, twenty-fourth session). It differs from the Triton kernels in summation
+the persistent Triton kernel's time (cuBLAS's own speed: torch.mm's), and less host time a call
+(benchmarks/NOTES.md, twenty-fourth session). It differs from the Triton kernels in summation
 order only: the one reduction scheme allowed to split K sums the parts in fp32 (in a workspace,
 then one pass that applies alpha), never in the output's bf16.
 
