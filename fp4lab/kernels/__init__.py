@@ -5,8 +5,8 @@ This face owns two choices the layers above never make: the backend, and the ope
 ``Backend`` picks the implementation: AUTO (the default) runs Triton for CUDA tensors and the
 reference (fp4lab.formats) for everything else; REFERENCE forces the reference (for debugging);
 TRITON forces Triton (CUDA, or any device under TRITON_INTERPRET=1; a dense GEMM on CUDA then runs
-on cuBLASLt where it applies, kernels.blas: the same function, another summation order). The environment variable
-FP4LAB_BACKEND sets the default. Where Triton is missing, AUTO warns once and uses the reference.
+on cuBLASLt where it applies, kernels.blas: the same function, another summation order). The
+environment variable FP4LAB_BACKEND sets the default. Where Triton is missing, AUTO warns once and uses the reference.
 Triton is imported here lazily, so this package imports on a machine without it.
 
 Operand forms (docs/design.md "Operand forms"): a GEMM operand is quantized to ``BlockValues``
