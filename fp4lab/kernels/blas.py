@@ -31,7 +31,7 @@ import weakref
 
 import torch
 
-from .host import env, tracing
+from .host import env, starts_aligned, tracing
 
 _BF16, _F32 = 14, 0  # cudaDataType_t
 _COMPUTE_32F = 68  # cublasComputeType_t
@@ -144,7 +144,6 @@ class LtPlan:
                  layouts: tuple[tuple, tuple]) -> None:
         self._lib, self._handle = lib, handle
         (m, k), n = a.shape, b.shape[0]
-        self.out_dtype = out_dtype
         (op_b, *b_dims), (op_a, *a_dims) = layouts[1], layouts[0]
         self._desc = ctypes.c_void_p()
         self._b, self._a, self._d = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
@@ -152,11 +151,11 @@ class LtPlan:
         # or here if the plan cannot be made
         weakref.finalize(self, _destroy, lib, self._desc, (self._b, self._a, self._d))
         _check(lib.cublasLtMatmulDescCreate(ctypes.byref(self._desc), _COMPUTE_32F, _F32), "descriptor")
+        # op_a (our layout's flag) says A's K is the unit stride: then A^T, read column-major, is
+        # already K x M and cuBLASLt's second operand takes no transpose
         for attr, value in ((_DESC_POINTER_MODE, _POINTER_MODE_DEVICE), (_DESC_TRANSA, op_b), (_DESC_TRANSB, 1 - op_a)):
             v = ctypes.c_int32(value)
             _check(lib.cublasLtMatmulDescSetAttribute(self._desc, attr, ctypes.byref(v), 4), "attribute")
-        # op_a (our layout's flag) says A's K is the unit stride: then A^T, read column-major, is
-        # already K x M and cuBLASLt's second operand takes no transpose
         d_type = _BF16 if out_dtype == torch.bfloat16 else _F32
         for desc, dtype, dims in ((self._b, _BF16, b_dims), (self._a, _BF16, a_dims), (self._d, d_type, (n, m, n))):
             _check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(desc), dtype, *dims), "layout")
@@ -192,7 +191,7 @@ class LtPlan:
         while tracing by its offset in its storage, which torch's and Inductor's allocations
         align): the caller's Triton kernels take that call."""
         if tracing():
-            if (a.storage_offset() * 2) % _ALIGN or (b.storage_offset() * 2) % _ALIGN:
+            if not (starts_aligned(a) and starts_aligned(b)):
                 return None
             return torch.ops.fp4lab.lt_scaled_mm(a, b, list(scales), self.out_dtype == torch.bfloat16)
         a_at, b_at = a.data_ptr(), b.data_ptr()

@@ -77,6 +77,12 @@ def zeroed_int32(n: int, device: torch.device) -> torch.Tensor:
 _TRACER_MODES = tuple(getattr(torch._C._TorchDispatchModeKey, key) for key in ("FAKE", "PROXY", "FUNCTIONAL"))
 
 
+def starts_aligned(t: torch.Tensor) -> bool:
+    """Whether a traced tensor (no address to read) starts 16 bytes into its allocation's alignment:
+    by its offset in its storage, which torch's and Inductor's allocations align."""
+    return (t.storage_offset() * t.element_size()) % 16 == 0
+
+
 def tracing() -> bool:
     """Whether a tracer is running this code (torch.compile's fake, proxy or functional mode: what
     runs a traced op of nn.ops at compile time): tensors have shapes but no memory, so no address

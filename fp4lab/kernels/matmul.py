@@ -53,7 +53,7 @@ import triton.language as tl
 
 from . import blas
 from .elements import to_bf16_rtne, widen
-from .host import PlanTable, cdiv, env, sm_count, tracing
+from .host import PlanTable, cdiv, env, sm_count, starts_aligned, tracing
 from .launch import cached
 from .operand import device_counts
 
@@ -458,8 +458,7 @@ class _DensePlan:
             # no address to read, and a host descriptor cannot be recorded (kernels.launch): the
             # persistent kernel makes its descriptors itself, where the operands start 16-byte
             # aligned in their allocations (which Inductor aligns); else the pointer kernel
-            if self.persistent and (a.storage_offset() * a.element_size()) % 16 == 0 and (
-                    b.storage_offset() * b.element_size()) % 16 == 0:
+            if self.persistent and starts_aligned(a) and starts_aligned(b):
                 self._persistent(self.traced, a, b, a, b, out, alpha, beta)
                 return
         elif self.tma is not None and a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0:
