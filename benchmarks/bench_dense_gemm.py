@@ -73,7 +73,12 @@ def main() -> None:
         a = torch.randn(512, 512, device="cuda").bfloat16()
         b = torch.randn(512, 512, device="cuda").bfloat16()
         host = {"cublaslt": host_us(_scaled(a, b, pair, True), 300), "triton": host_us(_scaled(a, b, pair, False), 300),
-                "torch_mm": host_us(lambda: torch.mm(a, b.T), 300)}
+                "torch_mm": host_us(lambda: torch.mm(a, b.T), 300),
+                # the call a compiled step makes (Inductor calls the op), with two scales and with
+                # one (no launch for alpha's product), and that product alone
+                "lt_op": host_us(lambda: torch.ops.fp4lab.lt_scaled_mm(a, b, list(pair), True), 300),
+                "lt_op_one_scale": host_us(lambda: torch.ops.fp4lab.lt_scaled_mm(a, b, [pair[0]], True), 300),
+                "alpha_product": host_us(lambda: torch.mul(*pair), 300)}
         print("host time a call at 512^3 (us):", {key: round(v, 1) for key, v in host.items()})
     finally:
         matmul.CUBLASLT = saved

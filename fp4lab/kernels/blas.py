@@ -31,7 +31,7 @@ import weakref
 
 import torch
 
-from .host import env, starts_aligned, tracing
+from .host import PlanTable, env, starts_aligned, tracing
 
 _BF16, _F32 = 14, 0  # cudaDataType_t
 _COMPUTE_32F = 68  # cublasComputeType_t
@@ -243,12 +243,36 @@ _LIBRARY = torch.library.Library("fp4lab", "FRAGMENT")
 _LIBRARY.define("lt_scaled_mm(Tensor a, Tensor b, Tensor[] scales, bool bf16_out) -> Tensor")
 
 
+@functools.cache
+def _matmul():
+    from . import matmul  # (matmul imports this module)
+    return matmul
+
+
+# A traced call's plan, under a key of everything matmul's checks read (shapes, strides, dtypes,
+# devices): a call after the first skips the checks and matmul's longer plan key. Inductor makes
+# this call from Python once per GEMM, and the compiled step's host is as busy as its GPU.
+_RECORDED = PlanTable(512)
+_UNSEEN = object()
+
+
 def _lt_scaled_mm(a: torch.Tensor, b: torch.Tensor, scales: list[torch.Tensor], bf16_out: bool) -> torch.Tensor:
-    """A traced call of matmul.scaled_mm that took cuBLASLt, made at run time (the plan is found
-    again by its key, as an eager call finds it)."""
-    from .matmul import scaled_mm
-    return scaled_mm(a, b, tuple(scales) if len(scales) == 2 else scales[0] if scales else None,
-                     out_dtype=torch.bfloat16 if bf16_out else torch.float32)
+    """A traced call of matmul.scaled_mm that took cuBLASLt, made at run time: the plan an eager
+    call with these operands would take."""
+    matmul = _matmul()
+    out_dtype = torch.bfloat16 if bf16_out else torch.float32
+    alphas = tuple(scales)
+    key = (a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype, b.device, bf16_out,
+           tuple((s.dtype, s.device, s.shape) for s in alphas))
+    lt = _RECORDED.get(key, _UNSEEN)
+    if lt is _UNSEEN:
+        if len(alphas) > 2:
+            raise ValueError(f"fp4lab::lt_scaled_mm takes at most two scales, got {len(alphas)}")
+        plan = matmul.dense_plan(a, b, out_dtype, alphas)  # (raises where scaled_mm would)
+        lt = _RECORDED.keep(key, plan.lt if plan is not None else None)
+    if lt is not None and matmul.CUBLASLT and (out := lt.run(a, b, alphas)) is not None:
+        return out
+    return matmul.scaled_mm(a, b, alphas if len(alphas) == 2 else alphas[0] if alphas else None, out_dtype=out_dtype)
 
 
 _LIBRARY.impl("lt_scaled_mm", _lt_scaled_mm, "CUDA")

@@ -380,26 +380,38 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, alpha: torch.Tensor | tuple[torc
     pair = alpha if isinstance(alpha, tuple) else (alpha,) if alpha is not None else ()
     if isinstance(alpha, tuple) and len(alpha) != 2:
         raise ValueError(f"scaled_mm takes alpha as one tensor, a pair (S_dec_A, S_dec_B) or None, got {len(alpha)}")
-    _check(a, b, out_dtype, *pair)
-    if any(v.numel() != 1 for v in pair):
-        raise ValueError(f"scaled_mm takes one-element alphas, got shapes {[tuple(v.shape) for v in pair]}")
-    if a.dim() != 2 or b.dim() != 2:
-        raise ValueError(f"scaled_mm takes 2D operands, got {tuple(a.shape)} and {tuple(b.shape)}")
-    (m, k), n = a.shape, b.shape[0]
-    if not m * n * k:
-        return _output(m, n, k, out_dtype, a.device)[0]
-    # (the tile settings a plan was made under are part of its key: a sweep that changes them, or
-    # _config itself, gets plans of the new tile)
-    key = (a.shape, a.stride(), b.shape, b.stride(), out_dtype, len(pair), a.device, USE_TMA, PERSISTENT, CUBLASLT,
-           _config, _BM, _BN, _BK, _WARPS, _STAGES, _LARGE_OUT, _SMALL_OUT, _TINY_OUT)
-    plan = _DENSE_PLANS.get(key)
+    plan = dense_plan(a, b, out_dtype, pair)
     if plan is None:
-        plan = _DENSE_PLANS.keep(key, _DensePlan(a, b, out_dtype, len(pair)))
+        (m, k), n = a.shape, b.shape[0]
+        return _output(m, n, k, out_dtype, a.device)[0]
+    m, n, _ = plan.mnk
     if plan.lt is not None and (out := plan.lt.run(a, b, pair)) is not None:
         return out
     out = torch.empty(m, n, dtype=out_dtype, device=a.device)
     plan.launch(a, b, out, pair[0] if pair else out, pair[-1] if pair else out)  # (out: an unused pointer)
     return out
+
+
+def dense_plan(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, alphas: tuple[torch.Tensor, ...]
+               ) -> _DensePlan | None:
+    """scaled_mm's checks of a call, then its plan (kept per call shape); None where the product
+    has no elements. ``alphas``: none, one or two [] fp32 tensors."""
+    _check(a, b, out_dtype, *alphas)
+    if any(v.numel() != 1 for v in alphas):
+        raise ValueError(f"scaled_mm takes one-element alphas, got shapes {[tuple(v.shape) for v in alphas]}")
+    if a.dim() != 2 or b.dim() != 2:
+        raise ValueError(f"scaled_mm takes 2D operands, got {tuple(a.shape)} and {tuple(b.shape)}")
+    (m, k), n = a.shape, b.shape[0]
+    if not m * n * k:
+        return None
+    # (the tile settings a plan was made under are part of its key: a sweep that changes them, or
+    # _config itself, gets plans of the new tile)
+    key = (a.shape, a.stride(), b.shape, b.stride(), out_dtype, len(alphas), a.device, USE_TMA, PERSISTENT, CUBLASLT,
+           _config, _BM, _BN, _BK, _WARPS, _STAGES, _LARGE_OUT, _SMALL_OUT, _TINY_OUT)
+    plan = _DENSE_PLANS.get(key)
+    if plan is None:
+        plan = _DENSE_PLANS.keep(key, _DensePlan(a, b, out_dtype, len(alphas)))
+    return plan
 
 
 class _DensePlan:
