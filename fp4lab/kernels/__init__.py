@@ -164,19 +164,23 @@ def quantize_values(x: torch.Tensor, fmt: str | Format = Format.NVFP4, *, backen
 
 
 def quantize_values_pair(x: torch.Tensor, fmt: str | Format, *, rows: dict, columns: dict, columns_len: int,
+                         partners: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
                          backend: str | Backend | None = None) -> tuple[BlockValues, BlockValues]:
     """The two copies a linear layer quantizes of one [M, K] tensor: (quantize_values(x, fmt,
     axis=1, **rows), quantize_values of x zero-padded to ``columns_len`` rows along axis 0,
     **columns): fprop's and wgrad's operands of an input, dgrad's and wgrad's of a gradient. On
     Triton, where kernels.quantize.pair_refusal allows, each read of x serves both copies (one pass
-    for both tensor amaxes, one for both copies); else the two calls."""
+    for both tensor amaxes, one for both copies); else the two calls. ``partners`` (rows, columns):
+    the tensor scale of each copy's GEMM partner, or None; the pair kernel then writes the copy's
+    alpha (BlockValues.alpha_with), elsewhere it is left to the GEMM (the same bits)."""
     spec = formats.spec_of(fmt)
     if x.dim() != 2 or columns_len < x.shape[0] or columns_len % spec.block_len:
         raise ValueError(f"quantize_values_pair: x {tuple(x.shape)} needs to be a matrix whose rows, padded to "
                          f"columns_len = {columns_len}, are a whole number of {spec.block_len}-blocks")
     if uses_triton(x, backend):
         from .quantize import try_block_values_pair
-        pair = try_block_values_pair(x, spec.format, rows=rows, columns=columns, columns_len=columns_len)
+        pair = try_block_values_pair(x, spec.format, rows=rows, columns=columns, columns_len=columns_len,
+                                     partners=partners)
         if pair is not None:
             return pair
     padded = torch.nn.functional.pad(x, (0, 0, 0, columns_len - x.shape[0])) if columns_len > x.shape[0] else x
@@ -202,8 +206,11 @@ def values_mm(a: BlockValues, b: BlockValues, *, out_dtype: torch.dtype = torch.
     if uses_triton(a.values, backend):
         if out_dtype in (torch.float32, torch.bfloat16):
             from .matmul import scaled_mm
-            # the two tensor scales go to the GEMM, which multiplies them (the Triton epilogue, with no launch)
+            # the two tensor scales go to the GEMM, which multiplies them (the Triton epilogue, with no
+            # launch), or their product where a's quantize pass wrote it for b (cuBLASLt takes one alpha)
             scales = None if a.tensor_scale is None or b.tensor_scale is None else (a.tensor_scale, b.tensor_scale)
+            if scales is not None and a.alpha_with is not None and a.alpha_with[0] is b.tensor_scale:
+                scales = a.alpha_with[1]
             return scaled_mm(a.matrix, b.matrix, scales, out_dtype=out_dtype)
         _warn_once(f"fp4lab.kernels.values_mm writes float32 or bfloat16; {out_dtype} runs the reference matmul")
     return ((a.matrix.to(torch.float32) @ b.matrix.to(torch.float32).T) * operand_alpha(a, b)).to(out_dtype)

@@ -495,18 +495,22 @@ def _quantize_tile(x, rows, local, col_base, group, amax_at, seed_of, lp_of, cod
 @cached  # (launched through kernels.launch)
 @triton.jit
 def _fp4_pair_kernel(x_ptr, rows_ptr, cols_ptr, amax_ptr, s_dec_ptr, seed_r, seed_c, h_seed_c, seed_r_ptr,
-                     seed_c_ptr, h_seed_c_ptr, M, K, MP, stride_m,
+                     seed_c_ptr, h_seed_c_ptr, partner_r_ptr, partner_c_ptr, M, K, MP, stride_m,
                      RULE_R: tl.constexpr, RULE_C: tl.constexpr, BLOCK: tl.constexpr, STOCHASTIC_R: tl.constexpr,
                      STOCHASTIC_C: tl.constexpr, HADAMARD_C: tl.constexpr, BF16_BITS: tl.constexpr,
                      AMAX_ONLY: tl.constexpr, SEED_R_IN_MEMORY: tl.constexpr, SEED_C_IN_MEMORY: tl.constexpr,
-                     H_SEED_IN_MEMORY: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, ITERS: tl.constexpr):
+                     H_SEED_IN_MEMORY: tl.constexpr, PARTNER_R: tl.constexpr, PARTNER_C: tl.constexpr,
+                     BM: tl.constexpr, BK: tl.constexpr, ITERS: tl.constexpr):
     """Both copies of x [M, K] (row-major) a linear layer quantizes, from one read of each tile:
     the rows copy (blocks along K: [M, K] values, amax and S_dec slot 0) and the columns copy
     (blocks along M, rotated when asked, M zero-padded to MP: [K, MP] values, slot 1). Each copy's
     program is the single-copy kernel's for the same tile, so the bytes are the same. A program
     takes ITERS tiles down the rows (the amax pass keeps elementwise maxima until the end): one
     tile alone spent much of its instructions on a program's fixed work (the sign draw, the
-    tensor terms, the amax pass's tile-wide reductions and atomics)."""
+    tensor terms, the amax pass's tile-wide reductions and atomics). With PARTNER_R (PARTNER_C),
+    slot 2 (3) gets the rows (columns) copy's S_dec times the [] fp32 at partner_r_ptr
+    (partner_c_ptr): the tensor-scale product of the copy's GEMM, one fp32 multiply as the GEMM
+    epilogue's, so a GEMM that takes one alpha launches nothing for it."""
     pid_m, pid_k = tl.program_id(0), tl.program_id(1)
     cols = (pid_k * BK + tl.arange(0, BK)).to(tl.int64)
     if H_SEED_IN_MEMORY:
@@ -542,6 +546,13 @@ def _fp4_pair_kernel(x_ptr, rows_ptr, cols_ptr, amax_ptr, s_dec_ptr, seed_r, see
             _quantize_tile(xc, cols, cols, tile_m * (BM // 16), 0, amax_ptr + 1, seed_c, MP, cols_ptr, cols_ptr,
                            s_dec_ptr + 1, K, K, MP, pid_k, tile_m, RULE_C, BLOCK, 1, STOCHASTIC_C, True, NO_GROUPS,
                            BK, BM)
+        if (pid_m == 0) & (pid_k == 0):
+            if PARTNER_R:  # (the S_dec _quantize_tile stores, from the same amax)
+                s_r = _tensor_terms(tl.load(amax_ptr).to(tl.float32, bitcast=True), RULE_R)[0]
+                tl.store(s_dec_ptr + 2, s_r * tl.load(partner_r_ptr))
+            if PARTNER_C:
+                s_c = _tensor_terms(tl.load(amax_ptr + 1).to(tl.float32, bitcast=True), RULE_C)[0]
+                tl.store(s_dec_ptr + 3, s_c * tl.load(partner_c_ptr))
 
 
 class _LaunchPlan:
@@ -699,7 +710,8 @@ def _nvfp4(x: torch.Tensor, out_values: bool, *, axis: int = -1, block: int | tu
         amax = global_amax.reshape(()).to(torch.float32).view(torch.int32)
     else:
         amax = _check_amax(global_amax, x.device).view(torch.int32)
-    s_dec = torch.empty((), dtype=torch.float32, device=x.device)  # written by the kernel (no fill launch)
+    # written by the kernel: no fill launch (a [1] viewed as []: Inductor turns an empty [] into a fill)
+    s_dec = torch.empty(1, dtype=torch.float32, device=x.device).view(())
     if x.numel() == 0:
         s_dec = nvfp4_tensor_terms(amax.view(torch.float32).reshape(()), profile)[0]
     codes, scales, axis = _launch(x, axis, block2, pad, NV_RULES[profile], amax, s_dec, rounding is Rounding.STOCHASTIC,
@@ -893,13 +905,15 @@ class _PairPlan:
         """The launch grid of a pass whose programs take ``iters`` tiles each."""
         return cdiv(self._tiles[0], iters), self._tiles[1]
 
-    def passes(self, in_memory: tuple[bool, bool, bool]) -> tuple:
+    def passes(self, in_memory: tuple[bool, bool, bool], partners: tuple[bool, bool] = (False, False)) -> tuple:
         """The launches, in order (NVFP4: the amax pass, then the copies' pass), as (bound kernel,
-        grid), for seeds in memory as ``in_memory`` says (rows, columns, the columns' rotation)."""
-        bound = self._passes.get(in_memory)
+        grid), for seeds in memory as ``in_memory`` says (rows, columns, the columns' rotation),
+        and the copies' alphas written where ``partners`` says (rows, columns)."""
+        bound = self._passes.get((in_memory, partners))
         if bound is None:
-            flags = dict(SEED_R_IN_MEMORY=in_memory[0], SEED_C_IN_MEMORY=in_memory[1], H_SEED_IN_MEMORY=in_memory[2])
-            bound = self._passes[in_memory] = tuple(
+            flags = dict(SEED_R_IN_MEMORY=in_memory[0], SEED_C_IN_MEMORY=in_memory[1], H_SEED_IN_MEMORY=in_memory[2],
+                         PARTNER_R=partners[0], PARTNER_C=partners[1])
+            bound = self._passes[(in_memory, partners)] = tuple(
                 (_fp4_pair_kernel.bind(**self.options, AMAX_ONLY=amax_only, ITERS=self.iters[not amax_only], **flags,
                                        **self.registers[not amax_only]),
                  self.grid(self.iters[not amax_only]))
@@ -930,12 +944,21 @@ def _pair_plan(x: torch.Tensor, fmt: Format, rows: dict, columns: dict, columns_
     return plan
 
 
-def try_block_values_pair(x: torch.Tensor, fmt: Format, *, rows: dict, columns: dict, columns_len: int
+def try_block_values_pair(x: torch.Tensor, fmt: Format, *, rows: dict, columns: dict, columns_len: int,
+                          partners: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
                           ) -> tuple[BlockValues, BlockValues] | None:
-    """block_values_pair, or None where pair_refusal refuses the call (one plan lookup answers both)."""
+    """block_values_pair, or None where pair_refusal refuses the call (one plan lookup answers both).
+    ``partners``: for each copy (rows, columns), None or the [] fp32 tensor scale of the operand
+    its GEMM multiplies it with (NVFP4): the copy's BlockValues then carries the product,
+    written by the copies' pass (BlockValues.alpha_with)."""
     plan = _pair_plan(x, fmt, rows, columns, columns_len)
     if isinstance(plan, str):
         return None
+    has = (partners[0] is not None and plan.nvfp4, partners[1] is not None and plan.nvfp4)
+    for partner, used in zip(partners, has):
+        if used and (partner.numel() != 1 or partner.dtype != torch.float32 or partner.device != x.device):
+            raise ValueError(f"a pair's partner tensor scale must be one fp32 value on {x.device}, got "
+                             f"{tuple(partner.shape)} {partner.dtype} on {partner.device}")
     # seeds resolved in the two calls' order (rows; then the columns' rotation, then their rounding),
     # so a generator or None draws what the two calls would draw
     seed_r = _seed(plan.roundings[0], rows.get("seed"))
@@ -948,17 +971,22 @@ def try_block_values_pair(x: torch.Tensor, fmt: Format, *, rows: dict, columns: 
     cols_v = torch.empty(k, columns_len, dtype=torch.int16, device=device)
     # NVFP4: both tensor amaxes (zeroed: the first pass takes atomic maxima) and both S_dec
     amax = zeroed_int32(2, device) if plan.nvfp4 else rows_v
-    s_dec = torch.empty(2, dtype=torch.float32, device=device) if plan.nvfp4 else rows_v  # written by the kernel
+    # written by the kernel: both S_dec, then the alphas asked for
+    s_dec = torch.empty(4 if any(has) else 2, dtype=torch.float32, device=device) if plan.nvfp4 else rows_v
     in_memory = (isinstance(seeds[0], torch.Tensor), isinstance(seeds[1], torch.Tensor),
                  isinstance(seeds[2], torch.Tensor))
     ints = [0 if mem else v for v, mem in zip(seeds, in_memory)]
     ptrs = [v if mem else rows_v for v, mem in zip(seeds, in_memory)]
+    partner_ptrs = [p if used else s_dec for p, used in zip(partners, has)]  # (s_dec: an unread pointer)
     src = x.view(torch.int16) if plan.bf16 else x
-    for kernel, grid in plan.passes(in_memory):
-        kernel[grid](src, rows_v, cols_v, amax, s_dec, *ints, *ptrs, m, k, columns_len, k)
-    scales = (s_dec[0], s_dec[1]) if plan.nvfp4 else (None, None)
-    return (BlockValues(rows_v.view(torch.bfloat16), scales[0], m, fmt),
-            BlockValues(cols_v.view(torch.bfloat16), scales[1], k, fmt))
+    for kernel, grid in plan.passes(in_memory, has):
+        kernel[grid](src, rows_v, cols_v, amax, s_dec, *ints, *ptrs, *partner_ptrs, m, k, columns_len, k)
+    if not plan.nvfp4:
+        return (BlockValues(rows_v.view(torch.bfloat16), None, m, fmt),
+                BlockValues(cols_v.view(torch.bfloat16), None, k, fmt))
+    alphas = [(p, s_dec[2 + i]) if used else None for i, (p, used) in enumerate(zip(partners, has))]
+    return (BlockValues(rows_v.view(torch.bfloat16), s_dec[0], m, fmt, alphas[0]),
+            BlockValues(cols_v.view(torch.bfloat16), s_dec[1], k, fmt, alphas[1]))
 
 
 def _group_seeds(seeds: list[int] | torch.Tensor, draws: bool, device: torch.device) -> torch.Tensor:

@@ -155,14 +155,16 @@ class Call:
                                 rotation=self.rotation(gemm), stats=self.stats, key=f"{self.name}.{gemm}.{side}",
                                 codes=codes)
 
-    def operand_pair(self, t: torch.Tensor, rows: tuple[str, str], columns: tuple[str, str]
+    def operand_pair(self, t: torch.Tensor, rows: tuple[str, str], columns: tuple[str, str],
+                     partners: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
                      ) -> tuple[BlockValues, BlockValues] | None:
         """t [M, K]'s two copies, one read serving both (kernels.quantize_values_pair): the operand
         (gemm, side) ``rows`` along K, and ``columns`` along the tokens (t zero-padded to a multiple
         of 32 rows, as wgrad pads): the bytes of the two Call.operand calls. None where the pair
         does not apply (statistics, dither, 16x16 blocks, a rotated rows copy, a rotation the
         quantizer does not fuse, two formats) and the caller quantizes each on its own; also None
-        under FP4LAB_PAIR=0, one copy at a time by choice (the same bytes: a fallback, not a recipe)."""
+        under FP4LAB_PAIR=0, one copy at a time by choice (the same bytes: a fallback, not a recipe).
+        ``partners``: each copy's GEMM partner's tensor scale, where known (kernels.quantize_values_pair)."""
         if (self.stats is not None or env("FP4LAB_PAIR", "1").lower() in ("0", "false", "off", "no")
                 or not pair_applies(self.recipe, t, rows, columns)):
             return None
@@ -172,7 +174,7 @@ class Call:
         return kernels.quantize_values_pair(
             t, op_r.format, rows=dict(rounding=op_r.rounding, seed=self.rounding_seed(gr, sr), **operand_knobs(op_r)),
             columns=dict(rounding=op_c.rounding, seed=self.rounding_seed(gc, sc), **operand_knobs(op_c, rotation)),
-            columns_len=t.shape[0] + (-t.shape[0] % WGRAD_ROW_MULTIPLE))
+            columns_len=t.shape[0] + (-t.shape[0] % WGRAD_ROW_MULTIPLE), partners=partners)
 
     def weight_source(self, weight: torch.Tensor) -> torch.Tensor:
         """The weight fprop and dgrad quantize: dithered once per call when the recipe asks."""
@@ -400,6 +402,13 @@ def _wgrad_groupable(call: Call, dtype: torch.dtype) -> bool:
         and (rotation is None or fused and fuses_rotation(op, rotation)) for op in (spec.a, spec.b))
 
 
+def _tensor_scale(ops: list | GroupedValues | None) -> torch.Tensor | None:
+    """The tensor scale of a dense GEMM's one FP4 operand (a pair's partner), else None."""
+    if isinstance(ops, list) and len(ops) == 1 and isinstance(ops[0], BlockValues):
+        return ops[0].tensor_scale
+    return None
+
+
 def _listed(ops: list | GroupedValues) -> list:
     return ops.groups() if isinstance(ops, GroupedValues) else ops
 
@@ -439,7 +448,7 @@ def gemms_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         w_fprop = w_fprop or [calls[g].operand(w, 1, "fprop", "b") for g, w in zip(live, w_src)]
         a = grouped and _all_at_once(x, _rows(sizes, live), live_calls, "fprop", "a")
         if not grouped and keep_x and calls[0].recipe.wgrad.emulated:
-            pair = calls[0].operand_pair(x, ("fprop", "a"), ("wgrad", "b"))
+            pair = calls[0].operand_pair(x, ("fprop", "a"), ("wgrad", "b"), (_tensor_scale(w_fprop), None))
             if pair is not None:
                 a, saved["x_wgrad"] = [pair[0]], pair[1]
         a = a or [calls[g].operand(xg, 1, "fprop", "a") for g, xg in zip(live, xs)]
@@ -477,20 +486,23 @@ def gemms_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, size
     xs, dys = _split(x, sizes, live, grouped), _split(dy, sizes, live, grouped)
     dgrad, wgrad = calls[0].recipe.dgrad, calls[0].recipe.wgrad
     offs = _offsets(sizes, dy.device) if grouped and _bf16_grouped(dy, weight, calls) else None
-    dx = dw = None
+    dx = dw = w_ops = None
+    if need_dx and dgrad.emulated:  # (before dy's copies: dgrad's alpha is written with them)
+        k = weight.shape[2]
+        if isinstance(w_values, GroupedValues):  # every expert's tiles, transposed in one copy
+            w_ops = w_values.transposed(k)
+        elif w_values is not None:
+            w_ops = [v.transposed(k) for v in w_values]
+        else:
+            w_ops = [calls[g].operand(w, 0, "dgrad", "b") for g, w in zip(live, w_src)]
     # a dense layer quantizing dy for both dgrad and wgrad reads it once for both copies
     dy_pair = (not grouped and need_dx and need_dw and dgrad.emulated and wgrad.emulated
-               and calls[0].operand_pair(dy, ("dgrad", "a"), ("wgrad", "a")) or None)
+               and calls[0].operand_pair(dy, ("dgrad", "a"), ("wgrad", "a"),
+                                         (_tensor_scale(w_ops), _tensor_scale([saved.get("x_wgrad")])))
+               or None)
     # ---- dgrad: dx = dy @ W, contraction over N
     if need_dx:
         if dgrad.emulated:
-            k = weight.shape[2]
-            if isinstance(w_values, GroupedValues):  # every expert's tiles, transposed in one copy
-                w_ops = w_values.transposed(k)
-            elif w_values is not None:
-                w_ops = [v.transposed(k) for v in w_values]
-            else:
-                w_ops = [calls[g].operand(w, 0, "dgrad", "b") for g, w in zip(live, w_src)]
             a = [dy_pair[0]] if dy_pair else grouped and _all_at_once(dy, rows, live_calls, "dgrad", "a")
             a = a or [calls[g].operand(dyg, 1, "dgrad", "a") for g, dyg in zip(live, dys)]
             dx = _multiply(a, 1, w_ops, 0, grouped, tuple(x.shape), dy)

@@ -624,6 +624,53 @@ def test_a_pair_the_kernel_does_not_cover_is_the_two_calls():
             block_values_pair(t.to(DEVICE), formats.Format.NVFP4, rows=rows, columns={}, columns_len=length)
 
 
+@settings(max_examples=12, deadline=None)
+@given(scale=st.sampled_from([1.0, 3e-38, 1e-45, 7.3e-3, 3.4e38, 0.0]), mag=st.sampled_from([1.0, 1e-30, 6e4]),
+       which=st.sampled_from([(True, False), (False, True), (True, True)]), seed=st.integers(0, 2**16))
+@example(scale=3e-38, mag=1e-30, which=(True, True), seed=0)  # S_dec * partner below fp32's normals
+def test_a_pair_writes_each_copys_alpha_against_its_partner(scale, mag, which, seed):
+    """With a partner tensor scale for a copy, the pair kernel writes S_dec * partner (one fp32
+    multiply: torch.mul's bits), and the copies' bytes and S_dec stay the same."""
+    x = (hard_input((40, 64), seed, torch.bfloat16).float() * mag).bfloat16().to(DEVICE)
+    kw = dict(rows=dict(rounding="stochastic", seed=seed), columns=dict(hadamard="te"), columns_len=64)
+    partners = [torch.tensor(scale * (1 + i), device=DEVICE) if used else None for i, used in enumerate(which)]
+    plain = kernels.quantize_values_pair(x, "nvfp4", backend="triton", **kw)
+    got = kernels.quantize_values_pair(x, "nvfp4", backend="triton", partners=tuple(partners), **kw)
+    for g, p, partner in zip(got, plain, partners):
+        assert torch.equal(g.values.view(torch.int16), p.values.view(torch.int16))
+        assert torch.equal(g.tensor_scale.view(torch.int32), p.tensor_scale.view(torch.int32))
+        if partner is None:
+            assert g.alpha_with is None
+        else:
+            assert g.alpha_with[0] is partner
+            assert torch.equal(g.alpha_with[1].view(torch.int32), torch.mul(p.tensor_scale, partner).view(torch.int32))
+
+
+def test_a_pairs_alpha_reaches_the_gemm_only_against_its_partner(monkeypatch):
+    """values_mm passes a copy's written alpha to the GEMM where the other operand's tensor scale is
+    the partner it was written for, else both scales (a partner of the same value is not enough);
+    MXFP4 (no tensor scale) and a malformed partner write none."""
+    from fp4lab.kernels import matmul
+    x = hard_input((32, 64), 3, torch.bfloat16).to(DEVICE)
+    w = kernels.quantize_values(hard_input((48, 64), 4, torch.bfloat16).to(DEVICE), "nvfp4", axis=1,
+                                backend="triton")
+    rows, _ = kernels.quantize_values_pair(x, "nvfp4", rows={}, columns={}, columns_len=32,
+                                           partners=(w.tensor_scale, None), backend="triton")
+    seen, real = [], matmul.scaled_mm
+    monkeypatch.setattr(matmul, "scaled_mm", lambda a, b, alpha, **kw: seen.append(alpha) or real(a, b, alpha, **kw))
+    out = kernels.values_mm(rows, w, backend="triton")
+    other = w._replace(tensor_scale=w.tensor_scale.clone())
+    again = kernels.values_mm(rows, other, backend="triton")
+    assert seen[0] is rows.alpha_with[1] and isinstance(seen[1], tuple)
+    assert torch.equal(out.view(torch.int32), again.view(torch.int32))  # (the same bits either way)
+    mx = kernels.quantize_values_pair(x, "mxfp4", rows={}, columns={}, columns_len=32,
+                                      partners=(w.tensor_scale, w.tensor_scale), backend="triton")
+    assert mx[0].alpha_with is None and mx[1].alpha_with is None
+    with pytest.raises(ValueError, match="partner"):
+        kernels.quantize_values_pair(x, "nvfp4", rows={}, columns={}, columns_len=32,
+                                     partners=(w.tensor_scale.double(), None), backend="triton")
+
+
 @pytest.mark.parametrize("tile", [(32, 32, 2), (64, 32, 4), (32, 64, 4), (128, 64, 8)])
 def test_a_pairs_bytes_do_not_depend_on_its_tile(tile, monkeypatch):
     """The tiles benchmarks/sweep_quantize.py tries for the pair kernel give the same bytes (each

@@ -55,8 +55,8 @@ class _Recorder:
             self.seen[gemm, side] = (t, axis, out)
             return out
 
-        def spy_pair(call, t, rows, columns):
-            out = real_pair(call, t, rows, columns)
+        def spy_pair(call, t, rows, columns, partners=(None, None)):
+            out = real_pair(call, t, rows, columns, partners)
             if out is not None:
                 self.pairs.append((rows, columns))
                 self.seen[rows] = (t, 1, out[0])
@@ -284,6 +284,33 @@ def test_triton_path_gives_the_reference_bytes(n, k, name, monkeypatch):
     assert (("dgrad", "b") not in seen["triton"]) == (name == "nvfp4")
     for key, (_, _, q) in seen["reference"].items():
         _same(seen["triton"][key][2], q)
+
+
+def test_each_dense_gemm_gets_the_alpha_the_pair_kernel_wrote(monkeypatch):
+    """NVIDIA's recipe on the Triton path: x's pair writes fprop's alpha against the weight's
+    tensor scale, dy's pair dgrad's (the weight's) and wgrad's (x's columns copy), so each of the
+    three GEMMs gets one alpha (cuBLASLt launches nothing for a product); the layer's output and
+    gradients are the reference backend's bits."""
+    pytest.importorskip("triton")
+    from fp4lab.kernels import matmul
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(6)
+    x, w, dy = torch.randn(32, 64, device=dev), torch.randn(48, 64, device=dev), torch.randn(32, 48, device=dev)
+    out = {}
+    for backend in ("reference", "triton"):
+        monkeypatch.setenv("FP4LAB_BACKEND", backend)
+        alphas, real = [], matmul.scaled_mm
+        monkeypatch.setattr(matmul, "scaled_mm", lambda a, b, alpha, **kw: alphas.append(alpha) or real(a, b, alpha, **kw))
+        xp, wp = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = fp4_linear(xp, wp, None, nvfp4(), name="l", context=QuantContext(tick=3))
+        y.backward(dy)
+        out[backend] = (y, xp.grad, wp.grad)
+        if backend == "triton":
+            assert len(alphas) == 3 and all(isinstance(a, torch.Tensor) and a.numel() == 1 for a in alphas)
+        monkeypatch.undo()
+    for fast, ref in zip(out["triton"], out["reference"]):
+        assert torch.equal(fast.view(torch.int32) if fast.dtype == torch.float32 else fast, ref.view(torch.int32)
+                           if ref.dtype == torch.float32 else ref)
 
 
 def test_pair_off_quantizes_one_copy_at_a_time_to_the_same_bytes(monkeypatch):
