@@ -43,8 +43,8 @@ def profile_run(arm: str, mode: str, args) -> str:
     launches = sum(e.count for e in kernels) / args.steps
     head = (f"== {args.model} {arm} {mode}: wall {wall:.1f} ms/step (profiled), GPU busy {gpu_us / 1e3:.1f} ms/step, "
             f"{launches:.0f} kernels/step")
-    by_gpu = events.table(sort_by="self_device_time_total", row_limit=args.rows, max_name_column_width=60)
-    by_cpu = events.table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=60)
+    by_gpu = events.table(sort_by="self_device_time_total", row_limit=args.rows, max_name_column_width=args.name_width)
+    by_cpu = events.table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=args.name_width)
     return f"{head}\n-- by own CUDA time\n{by_gpu}\n-- by own CPU time\n{by_cpu}\n"
 
 
@@ -59,6 +59,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     step_arguments(parser, warmup=4, steps=2)
     parser.add_argument("--rows", type=int, default=15)
+    parser.add_argument("--name-width", type=int, default=60, help="characters of each kernel's name shown")
     parser.add_argument("--host", action="store_true", help="cProfile the host side instead")
     parser.add_argument("--runs", nargs="*", default=["bf16/eager", "nvfp4/eager", "bf16/compiled", "nvfp4/compiled"])
     args = parser.parse_args()

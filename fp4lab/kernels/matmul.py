@@ -376,7 +376,8 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, alpha: torch.Tensor | tuple[torc
     """a: [M, K] bf16, b: [N, K] bf16 (any strides), alpha: [] fp32 -> alpha * (a @ b^T): [M, N].
     ``alpha`` may also be two [] fp32 tensors (S_dec_A, S_dec_B), multiplied as ``S_dec_A *
     S_dec_B`` would be (the Triton kernels in their epilogue, with no launch for the product;
-    cuBLASLt takes one alpha, so that path launches the product), or None: 1."""
+    cuBLASLt takes one alpha, so that path launches the product: callers that can, pass the
+    product a quantize pass wrote, BlockValues.alpha_with), or None: 1."""
     pair = alpha if isinstance(alpha, tuple) else (alpha,) if alpha is not None else ()
     if isinstance(alpha, tuple) and len(alpha) != 2:
         raise ValueError(f"scaled_mm takes alpha as one tensor, a pair (S_dec_A, S_dec_B) or None, got {len(alpha)}")

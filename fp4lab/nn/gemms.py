@@ -127,10 +127,14 @@ class Call:
     rank: int = 0
     seeds: SeedTable | None = field(default=None, compare=False)
 
+    def seed_spec(self, gemm: str, side: str) -> tuple[int, int, int, int, int]:
+        """What names this call's seed (gemm, side) in a SeedTable."""
+        return self.recipe.seed, self.layer, self.rank, GEMMS.index(gemm), ord(side)
+
     def seed(self, gemm: str, side: str) -> int | torch.Tensor:
         """derive_seed(root, gemm, side): an int, or its slot in the context's SeedTable."""
         if self.seeds is not None:
-            return self.seeds.seed(self.recipe.seed, self.layer, self.rank, GEMMS.index(gemm), ord(side))
+            return self.seeds.seed(*self.seed_spec(gemm, side))
         if capturing():
             raise RuntimeError(f"{self.name or 'an FP4 layer'}: an int seed would be frozen into the CUDA graph "
                                "being captured, repeating one step's random bits at every replay (give the "
@@ -281,7 +285,7 @@ def _group_seeds(calls: list[Call], gemm: str, side: str) -> list[int] | torch.T
     """[c.seed(gemm, side) for c in calls]: derived for every group in one array pass, or with a
     SeedTable the groups' slots as one device tensor (what a captured grouped launch reads)."""
     if calls[0].seeds is not None:
-        return torch.cat([c.seed(gemm, side) for c in calls])
+        return calls[0].seeds.seeds([c.seed_spec(gemm, side) for c in calls])
     return derive_seeds([c.root for c in calls], GEMMS.index(gemm), ord(side))
 
 

@@ -81,6 +81,11 @@ class SeedTable:
             self.values[i] = _values([spec], self.tick)[0]
         return i
 
+    def seeds(self, specs: list[tuple[int, int, int, int, int]]) -> torch.Tensor:
+        """The slots of ``specs`` as one tensor (a grouped launch's seeds, one per expert)."""
+        slots = [self.slot(*spec) for spec in specs]  # (first: drawing may grow the buffer)
+        return _slots_of(self.values, slots)
+
     def reading(self, values: torch.Tensor) -> "SeedSlots":
         """The table's slots read as views of ``values``: its buffer as a traced op was handed it."""
         return SeedSlots(self, values)
@@ -105,6 +110,20 @@ class SeedSlots:
         """SeedTable.seed, a view of the buffer handed over."""
         i = self.table.slot(recipe_seed, layer, rank, gemm, side)
         return self.values[i: i + 1]
+
+    def seeds(self, specs: list[tuple[int, int, int, int, int]]) -> torch.Tensor:
+        """SeedTable.seeds, of the buffer handed over."""
+        slots = [self.table.slot(*spec) for spec in specs]
+        return _slots_of(self.values, slots)
+
+
+def _slots_of(values: torch.Tensor, slots: list[int]) -> torch.Tensor:
+    """values[slots]: a view where the slots run consecutively (a grouped layer's experts draw
+    theirs one after another: no copy, no launch), else a copy."""
+    first = slots[0]
+    if slots == list(range(first, first + len(slots))):
+        return values[first: first + len(slots)]
+    return torch.cat([values[i: i + 1] for i in slots])
 
 
 def _values(specs: list[tuple[int, int, int, int, int]], tick: int) -> list[int]:

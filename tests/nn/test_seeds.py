@@ -75,6 +75,35 @@ def test_slots_hold_derive_seed_and_are_shared_per_spec():
     assert int(call.seed("wgrad", "a")) == int(slot) and call.seed("wgrad", "a").data_ptr() != slot.data_ptr()
 
 
+def test_a_groups_seeds_are_one_view_of_the_table_where_its_slots_run_on():
+    """A grouped launch's seeds (one per expert): the experts' slots, drawn one after another, as one
+    view of the table (no copy or launch), refilled in place each tick; slots drawn apart are
+    gathered, the same values."""
+    from fp4lab.nn.gemms import _group_seeds
+    table = SeedTable("cpu", capacity=64)
+    context = QuantContext(tick=3, seeds=table)
+    recipe = nvfp4()
+    calls = [call_at(recipe, layer_key(f"e.{g}"), 3, 0.0, 0, seeds=context.seeds) for g in range(5)]
+    want = lambda tick: [derive_seed(derive_seed(recipe.seed, layer_key(f"e.{g}"), tick), GEMMS.index("wgrad"),
+                                     ord("a")) for g in range(5)]
+    group = _group_seeds(calls, "wgrad", "a")
+    assert group.tolist() == want(3) and group._base is table.values
+    context.tick = 4
+    assert group.tolist() == want(4)  # (the view a captured launch holds sees each tick's values)
+    calls[2].seed("dgrad", "a")  # a slot drawn between the experts' next ones
+    apart = [calls[g] for g in (0, 2, 4)]
+    shuffled = _group_seeds(apart, "fprop", "a")[:1].tolist() + _group_seeds(calls[1:2], "fprop", "a").tolist()
+    assert shuffled == [derive_seed(derive_seed(recipe.seed, layer_key(f"e.{g}"), 4), GEMMS.index("fprop"), ord("a"))
+                        for g in (0, 1)]
+    gathered = _group_seeds(calls, "fprop", "a")  # slots 0, 2, 4 then 1, 3: not one run
+    assert gathered._base is None and gathered.tolist() == [
+        derive_seed(derive_seed(recipe.seed, layer_key(f"e.{g}"), 4), GEMMS.index("fprop"), ord("a")) for g in range(5)]
+    small = SeedTable("cpu", capacity=2)  # drawing the group's slots grows the table: read after
+    small.fill(4)
+    grown = _group_seeds([call_at(recipe, layer_key(f"e.{g}"), 4, 0.0, 0, seeds=small) for g in range(5)], "wgrad", "a")
+    assert grown.tolist() == want(4) and grown._base is small.values
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_step_on_a_seed_table_reads_no_seed_on_the_host(backend, monkeypatch):
     """With a table, no seed of a step is read back to the host (what CUDA refuses while a graph
