@@ -8,13 +8,15 @@ device time from CUDA-graph replays of matmul.scaled_mm with a tensor-scale pair
 (kernels.blas) and on the Triton kernels (matmul.CUBLASLT = False), and of torch.mm (cuBLAS BF16,
 no scale); the share of output bits the two scaled paths agree on (they differ in fp32 summation
 order only), and each one's largest error against float64 over the output's largest magnitude.
-Then host time a call at a small shape (512^3, host-bound), eager. Writes
+Then host time a call at a small shape (512^3, host-bound), eager, through each path (the op a
+compiled step calls included). Writes
 benchmarks/results/dense_gemm.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from pathlib import Path
 
@@ -32,6 +34,38 @@ def _scaled(a: torch.Tensor, b: torch.Tensor, pair: tuple, lt: bool):
         matmul.CUBLASLT = lt
         return matmul.scaled_mm(a, b, pair)
     return call
+
+
+def _host_costs(a: torch.Tensor, b: torch.Tensor, pair: tuple, rounds: int = 7, calls: int = 200) -> dict:
+    """Host microseconds a call (the median of interleaved rounds: the lent hosts drift): scaled_mm
+    on cuBLASLt with the scale pair and with one alpha, on the Triton kernels, torch.mm; the op a
+    compiled step calls (fp4lab::lt_scaled_mm: two scales, one), its Python body alone, a Library
+    op that does nothing (the dispatch), and alpha's product."""
+    from fp4lab.kernels import blas
+    if not hasattr(torch.ops.fp4lab, "bench_noop"):
+        noop = torch.library.Library("fp4lab", "FRAGMENT")
+        noop.define("bench_noop(Tensor a, Tensor b, Tensor[] scales, bool bf16_out) -> Tensor")
+        noop.impl("bench_noop", lambda a, b, scales, bf16_out: a, "CUDA")
+        _host_costs.library = noop  # (kept: the op lives as long as its Library)
+    alpha = pair[0] * pair[1]
+
+    def on_lt(fn):  # (the op's body takes cuBLASLt only while matmul.CUBLASLT is on)
+        def call():
+            matmul.CUBLASLT = True
+            return fn()
+        return call
+    calls_of = {"cublaslt": _scaled(a, b, pair, True), "cublaslt_one_alpha": _scaled(a, b, alpha, True),
+                "triton": _scaled(a, b, pair, False), "torch_mm": lambda: torch.mm(a, b.T),
+                "lt_op": on_lt(lambda: torch.ops.fp4lab.lt_scaled_mm.default(a, b, list(pair), True)),
+                "lt_op_one_scale": on_lt(lambda: torch.ops.fp4lab.lt_scaled_mm.default(a, b, [alpha], True)),
+                "lt_op_body_one_scale": on_lt(lambda: blas._lt_scaled_mm(a, b, [alpha], True)),
+                "op_dispatch": lambda: torch.ops.fp4lab.bench_noop.default(a, b, [alpha], True),
+                "alpha_product": lambda: torch.mul(*pair)}
+    times = {name: [] for name in calls_of}
+    for _ in range(rounds):
+        for name, fn in calls_of.items():
+            times[name].append(host_us(fn, calls))
+    return {name: statistics.median(v) for name, v in times.items()}
 
 
 def main() -> None:
@@ -72,14 +106,9 @@ def main() -> None:
               f"Triton / cuBLASLt {totals['triton'] / totals['cublaslt']:.3f}")
         a = torch.randn(512, 512, device="cuda").bfloat16()
         b = torch.randn(512, 512, device="cuda").bfloat16()
-        host = {"cublaslt": host_us(_scaled(a, b, pair, True), 300), "triton": host_us(_scaled(a, b, pair, False), 300),
-                "torch_mm": host_us(lambda: torch.mm(a, b.T), 300),
-                # the call a compiled step makes (Inductor calls the op), with two scales and with
-                # one (no launch for alpha's product), and that product alone
-                "lt_op": host_us(lambda: torch.ops.fp4lab.lt_scaled_mm(a, b, list(pair), True), 300),
-                "lt_op_one_scale": host_us(lambda: torch.ops.fp4lab.lt_scaled_mm(a, b, [pair[0]], True), 300),
-                "alpha_product": host_us(lambda: torch.mul(*pair), 300)}
-        print("host time a call at 512^3 (us):", {key: round(v, 1) for key, v in host.items()})
+        host = _host_costs(a, b, pair)
+        print("host time a call at 512^3 (us, median of 7 interleaved rounds):",
+              {key: round(v, 1) for key, v in host.items()})
     finally:
         matmul.CUBLASLT = saved
     save("dense_gemm", {**environment(), "model": args.model, "tokens": args.tokens, "rows": rows,

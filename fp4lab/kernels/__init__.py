@@ -28,7 +28,8 @@ Speed: benchmarks/README.md; correctness: tests/kernels (bytes equal to fp4lab.f
 
 Public: ``Backend``, ``FAST_QUANTIZERS``, ``quantize_as``, ``quantize_nvfp4``, ``quantize_mxfp4``,
 ``dequantize``, ``fake_quantize``, ``fp4_mm``, ``uses_triton``, ``BlockValues``, ``quantize_values``,
-``quantize_values_pair``, ``to_values``, ``values_mm``, ``GroupedValues``, ``quantize_grouped_values``,
+``quantize_values_pair``, ``to_values``, ``values_mm``, ``GroupedValues``, ``TransposedGroups``,
+``quantize_grouped_values``,
 ``quantize_grouped_columns``, ``check_unpadded_rows``,
 ``grouped_values_mm``, ``contraction_grouped_values_mm``, ``grouped_fp4_mm``.
 """
@@ -44,7 +45,7 @@ import torch
 from .. import formats
 from ..formats.types import Choice, Format, FP4Tensor
 from .host import env
-from .operand import BlockValues, GroupedValues
+from .operand import BlockValues, GroupedValues, TransposedGroups
 from .operand import alpha as operand_alpha
 
 
@@ -308,12 +309,23 @@ def check_unpadded_rows(x_rows: int, rows: list[int] | torch.Tensor, widths: lis
         raise ValueError(f"quantize_grouped_columns: rows sum to {sum(rows)}, x has {x_rows}")
 
 
-def grouped_values_mm(a: list[BlockValues] | GroupedValues, b: list[BlockValues] | GroupedValues, *,
-                      out_dtype: torch.dtype = torch.float32, backend: str | Backend | None = None) -> torch.Tensor:
+def grouped_values_mm(a: list[BlockValues] | GroupedValues, b: list[BlockValues] | GroupedValues | TransposedGroups,
+                      *, out_dtype: torch.dtype = torch.float32, backend: str | Backend | None = None) -> torch.Tensor:
     """One C_g = alpha_g * (A_g @ B_g^T) per group (MoE experts: a[g] has m_g rows, every b[g]
     the same N rows and K) -> [sum m_g, N] ``out_dtype``: one Triton launch
     (kernels.matmul.grouped_scaled_mm), or values_mm per group on the reference. Groups come as
-    lists of BlockValues or as row GroupedValues, taken whole (no per-group views, no copy)."""
+    lists of BlockValues or as row GroupedValues, taken whole (no per-group views, no copy); B
+    also as TransposedGroups, read in place by that launch (else copied first)."""
+    if isinstance(b, TransposedGroups):
+        if (isinstance(a, GroupedValues) and a.axis == 0 and uses_triton(a.values, backend)
+                and out_dtype in (torch.float32, torch.bfloat16)):
+            stack = b.of.transposed_stack(b.rows)
+            if len(a.sizes) != stack.shape[0] or a.values.shape[1] != stack.shape[2] or a.format is not b.of.format:
+                raise ValueError(f"grouped operands do not pair: A {tuple(a.values.shape)} in {len(a.sizes)} groups, "
+                                 f"{a.format}; B {tuple(stack.shape)}, {b.of.format}")
+            from .matmul import grouped_scaled_mm
+            return grouped_scaled_mm(a.values, stack, a.sizes, _alphas(a, b.of), out_dtype=out_dtype)
+        b = b.copied()
     if isinstance(a, GroupedValues) and isinstance(b, GroupedValues) and a.axis == b.axis == 0:
         _check_grouped_pair(a, b)
         if (uses_triton(a.values, backend) and out_dtype in (torch.float32, torch.bfloat16)

@@ -21,7 +21,7 @@ their rows (or, for wgrad, their columns) back to back, with one tensor scale pe
 quantize launch writes for all of them (``groups()`` gives each as BlockValues, views of the same
 memory). The grouped GEMMs take it whole: no per-expert objects on the host.
 
-Public: ``BlockValues``, ``GroupedValues``, ``device_counts``.
+Public: ``BlockValues``, ``GroupedValues``, ``TransposedGroups``, ``device_counts``.
 """
 
 from __future__ import annotations
@@ -107,8 +107,29 @@ class GroupedValues:
         if self.axis != 0 or len(set(self.sizes)) != 1:
             raise ValueError(f"transposed takes row groups of one size, got axis {self.axis}, sizes {self.sizes}")
         g, n = len(self.sizes), self.sizes[0]
-        stack = self.values.view(g, n, self.values.shape[1]).transpose(1, 2)[:, :rows]
-        return GroupedValues(stack.reshape(g * rows, n), self.tensor_scales, (rows,) * g, self.format)
+        return GroupedValues(self.transposed_stack(rows).reshape(g * rows, n), self.tensor_scales, (rows,) * g,
+                             self.format)
+
+    def transposed_stack(self, rows: int) -> torch.Tensor:
+        """transposed(rows)'s groups as a [G, rows, n] view of these values (no copy): each group's
+        B read N-major, as the grouped GEMM can (TransposedGroups)."""
+        if self.axis != 0 or len(set(self.sizes)) != 1:
+            raise ValueError(f"transposed takes row groups of one size, got axis {self.axis}, sizes {self.sizes}")
+        g, n = len(self.sizes), self.sizes[0]
+        return self.values.view(g, n, self.values.shape[1]).transpose(1, 2)[:, :rows]
+
+
+@dataclass(frozen=True)
+class TransposedGroups:
+    """``of.transposed(rows)`` not yet copied: row groups of one size (an MoE projection's 16x16-tiled
+    weights) read along their other axis, as dgrad multiplies them. kernels.grouped_values_mm reads
+    them in place, saving a strided copy of every expert's weights per backward; anything else
+    asks for ``copied()``."""
+    of: GroupedValues
+    rows: int
+
+    def copied(self) -> GroupedValues:
+        return self.of.transposed(self.rows)
 
 
 def alpha(a: BlockValues, b: BlockValues) -> torch.Tensor:

@@ -59,7 +59,7 @@ import torch.nn.functional as F
 
 from .. import kernels
 from ..formats import Rounding
-from ..kernels import BlockValues, GroupedValues
+from ..kernels import BlockValues, GroupedValues, TransposedGroups
 from ..kernels.host import env
 from .quant import (Rotation, derive_seed, derive_seeds, dither, fuses_rotation, gemm_dtype, operand_knobs, quantize_operand,
                     rotation_for, run_gemm)
@@ -413,7 +413,9 @@ def _tensor_scale(ops: list | GroupedValues | None) -> torch.Tensor | None:
     return None
 
 
-def _listed(ops: list | GroupedValues) -> list:
+def _listed(ops: list | GroupedValues | TransposedGroups) -> list:
+    if isinstance(ops, TransposedGroups):
+        ops = ops.copied()
     return ops.groups() if isinstance(ops, GroupedValues) else ops
 
 
@@ -422,7 +424,8 @@ def _multiply(a: list | GroupedValues, a_axis: int, b: list | GroupedValues, b_a
     """The seam: rows of pair g = A_g @ B_g^T, stacked -> ``shape`` in like's dtype."""
     if not isinstance(a, GroupedValues) and not a:
         return like.new_zeros(shape)
-    fp4 = all(isinstance(ops, GroupedValues) or all(isinstance(v, BlockValues) for v in ops) for ops in (a, b))
+    fp4 = all(isinstance(ops, (GroupedValues, TransposedGroups)) or all(isinstance(v, BlockValues) for v in ops)
+              for ops in (a, b))
     if grouped and fp4:  # all experts in one launch
         return kernels.grouped_values_mm(a, b, out_dtype=gemm_dtype(like.dtype)).to(like.dtype)
     a, b = _listed(a), _listed(b)
@@ -493,8 +496,8 @@ def gemms_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, size
     dx = dw = w_ops = None
     if need_dx and dgrad.emulated:  # (before dy's copies: dgrad's alpha is written with them)
         k = weight.shape[2]
-        if isinstance(w_values, GroupedValues):  # every expert's tiles, transposed in one copy
-            w_ops = w_values.transposed(k)
+        if isinstance(w_values, GroupedValues):  # every expert's tiles, read transposed in place
+            w_ops = TransposedGroups(w_values, k)
         elif w_values is not None:
             w_ops = [v.transposed(k) for v in w_values]
         else:

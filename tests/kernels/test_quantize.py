@@ -439,7 +439,7 @@ def test_grouped_quantize_refuses_groups_that_do_not_fit():
             kernels.quantize_grouped_values(x, "nvfp4", sizes, seeds, backend="triton", block=block, pad=True)
 
 
-def test_grouped_values_gemm_equals_the_listed_operands():
+def test_grouped_values_gemm_equals_the_listed_operands(monkeypatch):
     """grouped_values_mm on GroupedValues (no copy to join them, one alpha multiply) gives the bits
     it gives on the same operands as lists of BlockValues."""
     torch.manual_seed(0)
@@ -464,6 +464,25 @@ def test_grouped_values_gemm_equals_the_listed_operands():
                                                  backend="triton"))
     with pytest.raises(ValueError, match="do not pair"):
         kernels.grouped_values_mm(a, w_t, backend="triton")  # K 64 against 16
+    # read in place (TransposedGroups: no copy; N-major through TMA on a GPU where K is whole tiles):
+    # the copy's bits, with host and with device sizes
+    w64 = kernels.quantize_grouped_values(torch.randn(3 * 64, 64, device=DEVICE), "nvfp4", [64] * 3, [4, 5, 6],
+                                          backend="triton", pad=True, block=(16, 16))
+    dy64 = kernels.quantize_grouped_values(torch.randn(32, 64, device=DEVICE), "nvfp4", sizes, [7, 8, 9],
+                                           backend="triton", pad=True)
+    on_device = kernels.quantize_grouped_values(torch.randn(32, 64, device=DEVICE), "nvfp4",
+                                                torch.tensor(sizes, device=DEVICE), [7, 8, 9], backend="triton")
+    from fp4lab.kernels import matmul
+    read, real = [], matmul.grouped_scaled_mm
+    monkeypatch.setattr(matmul, "grouped_scaled_mm", lambda a_, b_, *x, **kw: read.append(b_) or real(a_, b_, *x, **kw))
+    for ops, w_ in ((a_dgrad, b), (dy64, w64), (on_device, w64)):
+        rows = w_.values.shape[1]
+        in_place = kernels.grouped_values_mm(ops, kernels.TransposedGroups(w_, rows), backend="triton")
+        assert read[-1].data_ptr() == w_.values.data_ptr() and read[-1].stride(1) == 1  # (the weights' memory)
+        assert torch.equal(in_place.view(torch.int32), kernels.grouped_values_mm(ops, w_.transposed(rows),
+                                                                                 backend="triton").view(torch.int32))
+    with pytest.raises(ValueError, match="do not pair"):
+        kernels.grouped_values_mm(a, kernels.TransposedGroups(b, 64), backend="triton")
     # K not a multiple of 16: the tiles' padding columns are not rows of the transposed groups
     w40 = kernels.quantize_grouped_values(w[:, :40], "nvfp4", [16] * 3, [4, 5, 6], backend="triton", pad=True,
                                           block=(16, 16))

@@ -57,15 +57,16 @@ def test_grouped_experts_equal_the_per_expert_loop(name, backend, monkeypatch):
     """(late_bf16: NVIDIA's recipe after its switch to BF16, the body's BF16 grouped GEMMs; the
     bf16 recipe itself swaps nothing, its experts run torch._grouped_mm without the body.
     nvfp4_all_live: every expert gets rows, so fprop quantizes all experts' weights in one launch
-    and dgrad multiplies those tiles transposed, as one GroupedValues.)"""
+    and dgrad multiplies those tiles transposed, as one GroupedValues read in place.)"""
     all_live = name == "nvfp4_all_live"
     name = "nvfp4" if all_live else name
     overrides = {"keep_first": 0, "keep_last": 0} | ({"bf16_after": 0.0} if name == "late_bf16" else {})
     recipe = preset("nvfp4" if name == "late_bf16" else name)
     recipe = recipe.override(overrides) if name in ("nvfp4", "late_bf16") else recipe
-    transposed = []  # dgrad's weights taken as one GroupedValues (every expert live)
-    spy = GroupedValues.transposed
-    monkeypatch.setattr(GroupedValues, "transposed", lambda self, rows: (transposed.append(rows), spy(self, rows))[1])
+    transposed = []  # dgrad's weights taken as one GroupedValues (every expert live), read transposed
+    spy = GroupedValues.transposed_stack
+    monkeypatch.setattr(GroupedValues, "transposed_stack",
+                        lambda self, rows: (transposed.append(rows), spy(self, rows))[1])
     # the counts read on the host (the device counts' bits are those: test_counts_kept_on_the_device_...)
     monkeypatch.setattr(moe_module.GroupedExperts, "counts_kept", False)
     grouped = _run(recipe, True, backend, monkeypatch, all_live=all_live)
