@@ -210,8 +210,10 @@ def values_mm(a: BlockValues, b: BlockValues, *, out_dtype: torch.dtype = torch.
             # the two tensor scales go to the GEMM, which multiplies them (the Triton epilogue, with no
             # launch), or their product where a's quantize pass wrote it for b (cuBLASLt takes one alpha)
             scales = None if a.tensor_scale is None or b.tensor_scale is None else (a.tensor_scale, b.tensor_scale)
-            if scales is not None and a.alpha_with is not None and a.alpha_with[0] is b.tensor_scale:
-                scales = a.alpha_with[1]
+            written = a.alpha_with
+            if scales is not None and written is not None and written[0] is a.tensor_scale \
+                    and written[1] is b.tensor_scale:
+                scales = written[2]
             return scaled_mm(a.matrix, b.matrix, scales, out_dtype=out_dtype)
         _warn_once(f"fp4lab.kernels.values_mm writes float32 or bfloat16; {out_dtype} runs the reference matmul")
     return ((a.matrix.to(torch.float32) @ b.matrix.to(torch.float32).T) * operand_alpha(a, b)).to(out_dtype)

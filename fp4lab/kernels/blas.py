@@ -262,16 +262,17 @@ def _lt_scaled_mm(a: torch.Tensor, b: torch.Tensor, scales: list[torch.Tensor], 
     matmul = _matmul()
     out_dtype = torch.bfloat16 if bf16_out else torch.float32
     alphas = tuple(scales)
-    key = (a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype, b.device, bf16_out,
-           tuple((s.dtype, s.device, s.shape) for s in alphas))
-    lt = _RECORDED.get(key, _UNSEEN)
-    if lt is _UNSEEN:
-        if len(alphas) > 2:
-            raise ValueError(f"fp4lab::lt_scaled_mm takes at most two scales, got {len(alphas)}")
-        plan = matmul.dense_plan(a, b, out_dtype, alphas)  # (raises where scaled_mm would)
-        lt = _RECORDED.keep(key, plan.lt if plan is not None else None)
-    if lt is not None and matmul.CUBLASLT and (out := lt.run(a, b, alphas)) is not None:
-        return out
+    if len(alphas) > 2:
+        raise ValueError(f"fp4lab::lt_scaled_mm takes at most two scales, got {len(alphas)}")
+    if matmul.CUBLASLT:  # (off: the Triton kernels, through scaled_mm; nothing kept for the key)
+        key = (a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype, b.device, bf16_out,
+               tuple((s.dtype, s.device, s.shape) for s in alphas))
+        lt = _RECORDED.get(key, _UNSEEN)
+        if lt is _UNSEEN:
+            plan = matmul.dense_plan(a, b, out_dtype, alphas)  # (raises where scaled_mm would)
+            lt = _RECORDED.keep(key, plan.lt if plan is not None else None)
+        if lt is not None and (out := lt.run(a, b, alphas)) is not None:
+            return out
     return matmul.scaled_mm(a, b, alphas if len(alphas) == 2 else alphas[0] if alphas else None, out_dtype=out_dtype)
 
 

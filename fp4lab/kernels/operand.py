@@ -11,10 +11,11 @@ packed codes and reading them back.
     tensor_scale  [] fp32 S_dec where the format has one (NVFP4), else None
     rows          how many of the R rows hold data
     format        the block format the values came from
-    alpha_with    None, or (t, S_dec * t): the product of this operand's tensor scale and t, the
-                  tensor scale of the operand its GEMM multiplies it with, written by the pass that
-                  wrote S_dec (kernels.values_mm takes it as the GEMM's alpha where the other
-                  operand's tensor_scale is t itself: no launch for the product)
+    alpha_with    None, or (S_dec, t, S_dec * t): the product of this operand's tensor scale and
+                  t, the tensor scale of the operand its GEMM multiplies it with, written by the
+                  pass that wrote S_dec (kernels.values_mm takes it as the GEMM's alpha where this
+                  operand's tensor_scale is still S_dec and the other's is t, both the same tensors:
+                  no launch for the product)
 
 ``GroupedValues`` holds the operands of a grouped GEMM's groups (MoE experts) as one tensor,
 their rows (or, for wgrad, their columns) back to back, with one tensor scale per group: what one
@@ -41,7 +42,7 @@ class BlockValues(NamedTuple):
     tensor_scale: torch.Tensor | None
     rows: int
     format: Format
-    alpha_with: tuple[torch.Tensor, torch.Tensor] | None = None
+    alpha_with: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def of(cls, q: FP4Tensor, values: torch.Tensor | None = None) -> "BlockValues":

@@ -984,9 +984,10 @@ def try_block_values_pair(x: torch.Tensor, fmt: Format, *, rows: dict, columns: 
     if not plan.nvfp4:
         return (BlockValues(rows_v.view(torch.bfloat16), None, m, fmt),
                 BlockValues(cols_v.view(torch.bfloat16), None, k, fmt))
-    alphas = [(p, s_dec[2 + i]) if used else None for i, (p, used) in enumerate(zip(partners, has))]
-    return (BlockValues(rows_v.view(torch.bfloat16), s_dec[0], m, fmt, alphas[0]),
-            BlockValues(cols_v.view(torch.bfloat16), s_dec[1], k, fmt, alphas[1]))
+    own = s_dec[0], s_dec[1]
+    alphas = [(own[i], p, s_dec[2 + i]) if used else None for i, (p, used) in enumerate(zip(partners, has))]
+    return (BlockValues(rows_v.view(torch.bfloat16), own[0], m, fmt, alphas[0]),
+            BlockValues(cols_v.view(torch.bfloat16), own[1], k, fmt, alphas[1]))
 
 
 def _group_seeds(seeds: list[int] | torch.Tensor, draws: bool, device: torch.device) -> torch.Tensor:

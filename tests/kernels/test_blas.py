@@ -43,6 +43,39 @@ def test_the_traced_op_has_the_output_of_the_call():
             assert out.shape == (24, 40) and out.dtype == dtype and out.is_contiguous()
 
 
+def test_the_traced_ops_body_keeps_each_calls_plan_and_falls_back_where_it_must(monkeypatch):
+    """The op a compiled step calls once per GEMM: its plan found once per key of what the checks
+    read (another layout is another key), cuBLASLt only while matmul.CUBLASLT is on (off: nothing
+    kept, so turning it on finds the plan), scaled_mm wherever the plan cannot run the call."""
+    from fp4lab.kernels import matmul
+    from fp4lab.kernels.host import PlanTable
+    monkeypatch.setattr(blas, "_RECORDED", PlanTable(8))
+    done, planned, fallen = torch.zeros(2, 2), [], []
+
+    class Plan:
+        runs = []
+
+        def run(self, a, b, scales):
+            self.runs.append(len(scales))
+            return None if a.data_ptr() % 16 else done
+    monkeypatch.setattr(matmul, "dense_plan", lambda a, b, dtype, alphas: planned.append(b.stride()) or
+                        type("P", (), {"lt": Plan()})())
+    monkeypatch.setattr(matmul, "scaled_mm", lambda a, b, alpha, out_dtype: fallen.append(alpha) or "fallback")
+    a, b, s = torch.zeros(64, 32, dtype=torch.bfloat16), torch.zeros(48, 32, dtype=torch.bfloat16), torch.ones(())
+    assert blas._lt_scaled_mm(a, b, [s, s], True) is done and blas._lt_scaled_mm(a, b, [s, s], True) is done
+    assert planned == [(32, 1)] and Plan.runs == [2, 2]  # planned once
+    assert blas._lt_scaled_mm(a, b.t().contiguous().t(), [s], True) is done and len(planned) == 2  # a new key
+    monkeypatch.setattr(matmul, "CUBLASLT", False)
+    c = torch.zeros(16, 32, dtype=torch.bfloat16)
+    assert blas._lt_scaled_mm(c, b, [s], False) == "fallback" and len(planned) == 2 and fallen == [s]
+    monkeypatch.setattr(matmul, "CUBLASLT", True)
+    assert blas._lt_scaled_mm(c, b, [s], False) is done and len(planned) == 3  # nothing was kept while off
+    shifted = torch.zeros(4 * 32 + 1, dtype=torch.bfloat16)[1:].view(4, 32)  # not 16-byte aligned
+    assert blas._lt_scaled_mm(shifted, b, [], True) == "fallback" and fallen[-1] is None
+    with pytest.raises(ValueError, match="at most two"):
+        blas._lt_scaled_mm(a, b, [s, s, s], True)
+
+
 def test_the_device_constants_are_real_memory_when_first_made_while_tracing():
     """A compiled model makes its first plans while torch.compile traces; the plan is kept for
     the run, so the alpha, beta and workspace it points cuBLASLt at must not be fake tensors."""

@@ -646,7 +646,7 @@ def test_a_pair_the_kernel_does_not_cover_is_the_two_calls():
 @settings(max_examples=12, deadline=None)
 @given(scale=st.sampled_from([1.0, 3e-38, 1e-45, 7.3e-3, 3.4e38, 0.0]), mag=st.sampled_from([1.0, 1e-30, 6e4]),
        which=st.sampled_from([(True, False), (False, True), (True, True)]), seed=st.integers(0, 2**16))
-@example(scale=3e-38, mag=1e-30, which=(True, True), seed=0)  # S_dec * partner below fp32's normals
+@example(scale=1e-45, mag=6e4, which=(True, True), seed=0)  # S_dec * partner below fp32's normals
 def test_a_pair_writes_each_copys_alpha_against_its_partner(scale, mag, which, seed):
     """With a partner tensor scale for a copy, the pair kernel writes S_dec * partner (one fp32
     multiply: torch.mul's bits), and the copies' bytes and S_dec stay the same."""
@@ -661,13 +661,14 @@ def test_a_pair_writes_each_copys_alpha_against_its_partner(scale, mag, which, s
         if partner is None:
             assert g.alpha_with is None
         else:
-            assert g.alpha_with[0] is partner
-            assert torch.equal(g.alpha_with[1].view(torch.int32), torch.mul(p.tensor_scale, partner).view(torch.int32))
+            assert g.alpha_with[0] is g.tensor_scale and g.alpha_with[1] is partner
+            assert torch.equal(g.alpha_with[2].view(torch.int32), torch.mul(p.tensor_scale, partner).view(torch.int32))
 
 
 def test_a_pairs_alpha_reaches_the_gemm_only_against_its_partner(monkeypatch):
     """values_mm passes a copy's written alpha to the GEMM where the other operand's tensor scale is
-    the partner it was written for, else both scales (a partner of the same value is not enough);
+    the partner it was written for and its own is the one it was written with, else both scales (a
+    partner of the same value is not enough);
     MXFP4 (no tensor scale) and a malformed partner write none."""
     from fp4lab.kernels import matmul
     x = hard_input((32, 64), 3, torch.bfloat16).to(DEVICE)
@@ -680,8 +681,10 @@ def test_a_pairs_alpha_reaches_the_gemm_only_against_its_partner(monkeypatch):
     out = kernels.values_mm(rows, w, backend="triton")
     other = w._replace(tensor_scale=w.tensor_scale.clone())
     again = kernels.values_mm(rows, other, backend="triton")
-    assert seen[0] is rows.alpha_with[1] and isinstance(seen[1], tuple)
+    rescaled = kernels.values_mm(rows._replace(tensor_scale=rows.tensor_scale * 2), w, backend="triton")
+    assert seen[0] is rows.alpha_with[2] and isinstance(seen[1], tuple) and isinstance(seen[2], tuple)
     assert torch.equal(out.view(torch.int32), again.view(torch.int32))  # (the same bits either way)
+    assert torch.equal(rescaled.view(torch.int32), (2 * out).view(torch.int32))  # (its own scale changed: x2 exact)
     mx = kernels.quantize_values_pair(x, "mxfp4", rows={}, columns={}, columns_len=32,
                                       partners=(w.tensor_scale, w.tensor_scale), backend="triton")
     assert mx[0].alpha_with is None and mx[1].alpha_with is None

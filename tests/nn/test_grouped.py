@@ -63,14 +63,16 @@ def test_grouped_experts_equal_the_per_expert_loop(name, backend, monkeypatch):
     overrides = {"keep_first": 0, "keep_last": 0} | ({"bf16_after": 0.0} if name == "late_bf16" else {})
     recipe = preset("nvfp4" if name == "late_bf16" else name)
     recipe = recipe.override(overrides) if name in ("nvfp4", "late_bf16") else recipe
-    transposed = []  # dgrad's weights taken as one GroupedValues (every expert live), read transposed
-    spy = GroupedValues.transposed_stack
+    transposed, copies = [], []  # dgrad's weights taken as one GroupedValues (every expert live), read transposed
+    spy, copy = GroupedValues.transposed_stack, GroupedValues.transposed
     monkeypatch.setattr(GroupedValues, "transposed_stack",
                         lambda self, rows: (transposed.append(rows), spy(self, rows))[1])
+    monkeypatch.setattr(GroupedValues, "transposed", lambda self, rows: (copies.append(rows), copy(self, rows))[1])
     # the counts read on the host (the device counts' bits are those: test_counts_kept_on_the_device_...)
     monkeypatch.setattr(moe_module.GroupedExperts, "counts_kept", False)
     grouped = _run(recipe, True, backend, monkeypatch, all_live=all_live)
     assert bool(transposed) == all_live
+    assert bool(copies) == (all_live and backend == "reference")  # the Triton GEMM reads them in place
     monkeypatch.setattr(moe_module.GroupedExperts, "counts_kept", False)
     loop = _run(recipe, False, backend, monkeypatch, all_live=all_live)
     if not all_live:

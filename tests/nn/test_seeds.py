@@ -102,6 +102,9 @@ def test_a_groups_seeds_are_one_view_of_the_table_where_its_slots_run_on():
     small.fill(4)
     grown = _group_seeds([call_at(recipe, layer_key(f"e.{g}"), 4, 0.0, 0, seeds=small) for g in range(5)], "wgrad", "a")
     assert grown.tolist() == want(4) and grown._base is small.values
+    handed = small.values.clone()  # a traced op's reading of the table: views of the buffer it was handed
+    slots = small.reading(handed).seeds([c.seed_spec("wgrad", "a") for c in calls])
+    assert slots._base is handed and slots.tolist() == want(4)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
