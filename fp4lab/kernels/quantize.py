@@ -46,7 +46,7 @@ from ..formats.mxfp4 import MX_BLOCK
 from ..formats.nvfp4 import _check_amax, _nvfp4_block, nvfp4_tensor_terms
 from ..formats.types import Format, FP4Tensor, MXScaleMode, NVFP4Profile, Rounding
 from .amax import finite_amax_bits, grouped_finite_amax
-from .host import PlanTable, cdiv, zeroed_int32
+from .host import PlanTable, cdiv, tracing, zeroed_int32
 from .launch import cached
 from .operand import BlockValues, device_counts
 from .elements import (e2m1_rtne, e2m1_rtne_value, e2m1_stochastic, e2m1_stochastic_value, e2m1_value, e4m3_rtne,
@@ -710,8 +710,9 @@ def _nvfp4(x: torch.Tensor, out_values: bool, *, axis: int = -1, block: int | tu
         amax = global_amax.reshape(()).to(torch.float32).view(torch.int32)
     else:
         amax = _check_amax(global_amax, x.device).view(torch.int32)
-    # written by the kernel: no fill launch (a [1] viewed as []: Inductor turns an empty [] into a fill)
-    s_dec = torch.empty(1, dtype=torch.float32, device=x.device).view(())
+    # written by the kernel: no fill launch (traced, a [1] viewed as []: Inductor lowers an empty [] to a fill)
+    s_dec = (torch.empty(1, dtype=torch.float32, device=x.device).view(()) if tracing()
+             else torch.empty((), dtype=torch.float32, device=x.device))
     if x.numel() == 0:
         s_dec = nvfp4_tensor_terms(amax.view(torch.float32).reshape(()), profile)[0]
     codes, scales, axis = _launch(x, axis, block2, pad, NV_RULES[profile], amax, s_dec, rounding is Rounding.STOCHASTIC,
@@ -977,17 +978,17 @@ def try_block_values_pair(x: torch.Tensor, fmt: Format, *, rows: dict, columns: 
                  isinstance(seeds[2], torch.Tensor))
     ints = [0 if mem else v for v, mem in zip(seeds, in_memory)]
     ptrs = [v if mem else rows_v for v, mem in zip(seeds, in_memory)]
-    partner_ptrs = [p if used else s_dec for p, used in zip(partners, has)]  # (s_dec: an unread pointer)
+    partner_ptrs = [p if used else 0 for p, used in zip(partners, has)]  # (0: never read)
     src = x.view(torch.int16) if plan.bf16 else x
     for kernel, grid in plan.passes(in_memory, has):
         kernel[grid](src, rows_v, cols_v, amax, s_dec, *ints, *ptrs, *partner_ptrs, m, k, columns_len, k)
     if not plan.nvfp4:
         return (BlockValues(rows_v.view(torch.bfloat16), None, m, fmt),
                 BlockValues(cols_v.view(torch.bfloat16), None, k, fmt))
-    own = s_dec[0], s_dec[1]
-    alphas = [(own[i], p, s_dec[2 + i]) if used else None for i, (p, used) in enumerate(zip(partners, has))]
-    return (BlockValues(rows_v.view(torch.bfloat16), own[0], m, fmt, alphas[0]),
-            BlockValues(cols_v.view(torch.bfloat16), own[1], k, fmt, alphas[1]))
+    slots = s_dec.unbind()  # (one call for every view: indexing costs a call each)
+    alphas = [(slots[i], p, slots[2 + i]) if used else None for i, (p, used) in enumerate(zip(partners, has))]
+    return (BlockValues(rows_v.view(torch.bfloat16), slots[0], m, fmt, alphas[0]),
+            BlockValues(cols_v.view(torch.bfloat16), slots[1], k, fmt, alphas[1]))
 
 
 def _group_seeds(seeds: list[int] | torch.Tensor, draws: bool, device: torch.device) -> torch.Tensor:

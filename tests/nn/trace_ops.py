@@ -78,10 +78,14 @@ def _root(node):
 
 
 def _check(gm, what: str) -> int:
-    """-> the graph's launches, after asserting none writes an input (which Inductor would copy first)."""
+    """-> the graph's launches, after asserting none writes an input (which Inductor would copy first)
+    and no buffer is an empty [] (which Inductor lowers to a fill launch)."""
     launches = 0
     for node in gm.graph.nodes:
         name = getattr(node.target, "__name__", str(node.target))
+        val = node.meta.get("val")
+        assert not (name.startswith("empty") and isinstance(val, torch.Tensor) and val.dim() == 0), \
+            f"{what}: an empty [] ({node.name}), a fill launch under Inductor"
         if "triton_kernel_wrapper" not in name:
             continue
         launches += 1
