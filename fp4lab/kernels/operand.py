@@ -105,11 +105,9 @@ class GroupedValues:
         """Every group's BlockValues.transposed(rows) as one GroupedValues (one copy): row groups of
         one size n (a stack of 16x16-tiled [n, Lp] weights) -> groups of ``rows`` rows and n columns,
         what dgrad multiplies (an MoE projection's weights read along their other axis)."""
-        if self.axis != 0 or len(set(self.sizes)) != 1:
-            raise ValueError(f"transposed takes row groups of one size, got axis {self.axis}, sizes {self.sizes}")
-        g, n = len(self.sizes), self.sizes[0]
-        return GroupedValues(self.transposed_stack(rows).reshape(g * rows, n), self.tensor_scales, (rows,) * g,
-                             self.format)
+        stack = self.transposed_stack(rows)
+        g, _, n = stack.shape
+        return GroupedValues(stack.reshape(g * rows, n), self.tensor_scales, (rows,) * g, self.format)
 
     def transposed_stack(self, rows: int) -> torch.Tensor:
         """transposed(rows)'s groups as a [G, rows, n] view of these values (no copy): each group's
