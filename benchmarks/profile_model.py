@@ -105,7 +105,7 @@ def main() -> None:
                 text, kernels[arm, mode] = profile_run(arm, mode, args)
         except Exception as exc:  # one arm's failure (a compile error, say) keeps the others' tables
             text = f"== {args.model} {arm} {mode}: failed: {type(exc).__name__}: {exc}\n"
-        print(text.splitlines()[0], flush=True)
+        print(text, flush=True)  # whole, as it comes: a later arm's failure or a time limit keeps it
         texts.append(text)
     for (arm, mode), totals in kernels.items():
         if arm != "bf16" and ("bf16", mode) in kernels:
