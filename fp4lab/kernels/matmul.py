@@ -51,7 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import blas
+from . import blas, groups
 from .elements import to_bf16_rtne, widen
 from .host import PlanTable, cdiv, env, sm_count, starts_aligned, tracing
 from .launch import cached
@@ -528,31 +528,6 @@ def _host_tiles(sizes: list[int], bm: int, device: torch.device) -> tuple[torch.
     return tiles[0], tiles[1], torch.tensor(ends, dtype=torch.int32).to(device, non_blocking=True)
 
 
-def _device_tiles(sizes: torch.Tensor, rows: int, bm: int) -> tuple[torch.Tensor, ...]:
-    """The same list made from device sizes without reading them: sum(ceil(size / bm)) is at most
-    (rows + G (bm - 1)) // bm for any G sizes summing to rows, so that many tiles; tile t belongs
-    to the first group whose tiles end past t; a tile past the last live one gets group G - 1 and
-    an empty range (first row = the group's end). Sizes are clamped to the rows, so a wrong
-    count cannot make the kernel read outside a."""
-    g = sizes.numel()
-    starts, ends = _device_edges(sizes, rows)
-    sizes = ends - starts
-    per = (sizes + bm - 1) // bm
-    tiles_end = per.cumsum(0)
-    t = torch.arange((rows + g * (bm - 1)) // bm, device=sizes.device)
-    group = torch.searchsorted(tiles_end, t, right=True).clamp_max(g - 1)
-    row = starts[group] + (t - tiles_end[group] + per[group]) * bm
-    row = torch.where(t < tiles_end[-1], row, ends[-1])
-    return group.to(torch.int32), row.to(torch.int32), ends.to(torch.int32)
-
-
-def _device_edges(counts: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(starts, ends) int64 of groups of ``counts`` back to back, on the device: negative counts
-    read as 0 and the ends stop at ``total``, so a wrong count never reads past the operand."""
-    ends = counts.to(torch.int64).clamp_min(0).cumsum(0).clamp_max(total)
-    return torch.cat([ends.new_zeros(1), ends[:-1]]), ends
-
-
 def _counts(sizes, groups: int | None, device: torch.device, what: str) -> list[int] | torch.Tensor:
     """A list of ints (from any iterable, a CPU tensor with device operands included), or an
     integer tensor of ``groups`` entries (any number if None) on the operands' device, kept there."""
@@ -582,7 +557,7 @@ def grouped_scaled_mm(a: torch.Tensor, b: torch.Tensor, sizes: Sequence[int] | t
     if done:
         return out
     bm = _tile_shape()[0]  # the launch's row tile: the tile list is cut to it
-    tiles = _device_tiles(sizes, s, bm) if isinstance(sizes, torch.Tensor) else _host_tiles(sizes, bm, a.device)
+    tiles = groups.tiles(sizes, s, bm) if isinstance(sizes, torch.Tensor) else _host_tiles(sizes, bm, a.device)
     s_alpha = 1 if alpha.numel() > 1 else 0
     alpha = alpha.reshape(-1).contiguous()
     _grouped_launch(a, b, out, alpha, s_alpha, tiles, s, n, k)
@@ -621,9 +596,8 @@ def contraction_grouped_mm(a: torch.Tensor, b: torch.Tensor, widths: Sequence[in
         segments = torch.tensor([starts, widths], dtype=torch.int32).to(a.device, non_blocking=True)
         even_k = all(w % bk == 0 for w in widths)
         width_multiple = math.gcd(bk, *widths)  # (bk for no widths, or all widths multiples of it)
-    else:  # on the device, clamped to the columns as _device_tiles clamps rows
-        starts, ends = _device_edges(widths, a.shape[1])
-        segments = torch.stack([starts, ends - starts]).to(torch.int32)
+    else:  # on the device, clamped to the columns as the tile list clamps rows
+        segments = groups.segments(widths, a.shape[1])
         even_k = False  # unknown here; masks that are all true give the unmasked path's bits
     grid = (len(widths) * cdiv(m, bm) * cdiv(n, bn),)
     _contraction_grouped_kernel[grid](a, b, out, alpha.reshape(-1).contiguous(), segments[0], segments[1], m, n,

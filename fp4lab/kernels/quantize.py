@@ -45,6 +45,7 @@ from ..formats.hadamard import TE_SIGNS, HadamardSigns
 from ..formats.mxfp4 import MX_BLOCK
 from ..formats.nvfp4 import _check_amax, _nvfp4_block, nvfp4_tensor_terms
 from ..formats.types import Format, FP4Tensor, MXScaleMode, NVFP4Profile, Rounding
+from . import groups
 from .amax import finite_amax_bits, grouped_finite_amax
 from .host import PlanTable, cdiv, tracing, zeroed_int32
 from .launch import cached
@@ -991,18 +992,20 @@ def try_block_values_pair(x: torch.Tensor, fmt: Format, *, rows: dict, columns: 
             BlockValues(cols_v.view(torch.bfloat16), slots[1], k, fmt, alphas[1]))
 
 
-def _group_seeds(seeds: list[int] | torch.Tensor, draws: bool, device: torch.device) -> torch.Tensor:
+def _group_seeds(seeds: list[int] | torch.Tensor, draws: bool, stand_in: torch.Tensor) -> torch.Tensor:
     """G seeds where a grouped launch reads them, with no host-to-device copy where it can do
     without (what a CUDA graph captures): a tensor of kernel seeds is used as it is (a SeedTable's
-    slots, refilled before each replay); a launch that draws nothing gets zeros made on the
-    device, one seed shared by all a fill; other lists of ints are copied over (eager runs)."""
+    slots, refilled before each replay); a launch that draws nothing reads ``stand_in`` (an int64
+    table of the launch's own, G entries or more), whose values it never uses: no fill; other
+    lists of ints are copied over (eager runs)."""
+    device = stand_in.device
     if isinstance(seeds, torch.Tensor):
         if seeds.dim() != 1 or seeds.dtype != torch.int64 or seeds.device != device:
             raise ValueError(f"seeds as a tensor must be int64 kernel seeds on {device}, got {tuple(seeds.shape)} "
                              f"{seeds.dtype} on {seeds.device}")
         return seeds
     if not draws:
-        return torch.zeros(len(seeds), dtype=torch.int64, device=device)
+        return stand_in
     if len(set(seeds)) == 1:  # one seed for all (fixed random signs): a fill, no copy either
         return torch.full((len(seeds),), _kernel_seed(seeds[0]), dtype=torch.int64, device=device)
     return torch.tensor([_kernel_seed(v) for v in seeds], dtype=torch.int64).to(device, non_blocking=True)
@@ -1023,13 +1026,13 @@ def grouped_block_values(x: torch.Tensor, fmt: Format, sizes: list[int] | torch.
     block2 = _nvfp4_block(block) if fmt is Format.NVFP4 else (1, MX_BLOCK)
     check_input(x, 1, block2, pad)
     if isinstance(sizes, torch.Tensor):
-        counts = device_counts(sizes, len(seeds), x.device, "sizes").to(torch.int64)
+        counts = device_counts(sizes, len(seeds), x.device, "sizes")
         if x.dim() != 2 or x.shape[1] == 0 or block2[0] > 1:
             raise ValueError(f"grouped_block_values: device counts take x [R, L > 0] in 1 x n blocks, got x "
                              f"{tuple(x.shape)}, blocks {block2}")
-        seeds_t = _group_seeds(seeds, rounding is Rounding.STOCHASTIC, x.device)
-        return _grouped_rows(x.contiguous(), fmt, counts.cumsum(0) - counts, seeds_t, block2, rounding, profile,
-                             mode, pad)
+        starts = groups.edges(counts, x.shape[0])[0]  # (negative counts read as 0, as the GEMM reads them)
+        seeds_t = _group_seeds(seeds, rounding is Rounding.STOCHASTIC, starts)
+        return _grouped_rows(x.contiguous(), fmt, starts, seeds_t, block2, rounding, profile, mode, pad)
     if x.dim() != 2 or x.shape[1] == 0 or len(sizes) != len(seeds) or sum(sizes) != x.shape[0] or min(sizes, default=1) <= 0 or (
             block2[0] > 1 and any(n % block2[0] for n in sizes)):
         raise ValueError(f"grouped_block_values: x {tuple(x.shape)} does not split into groups of {list(sizes)} "
@@ -1041,7 +1044,7 @@ def grouped_block_values(x: torch.Tensor, fmt: Format, sizes: list[int] | torch.
         # where a device op puts them, no copy (a CUDA graph can capture it)
         starts = (torch.arange(len(sizes), dtype=torch.int64, device=x.device) * sizes[0] if uniform else
                   torch.tensor([0, *itertools.accumulate(sizes)][:-1], dtype=torch.int64).to(x.device, non_blocking=True))
-        seeds_t = _group_seeds(seeds, rounding is Rounding.STOCHASTIC, x.device)
+        seeds_t = _group_seeds(seeds, rounding is Rounding.STOCHASTIC, starts)
         return _grouped_rows(x, fmt, starts, seeds_t, block2, rounding, profile, mode, pad)
     sizes_t = torch.tensor(sizes, dtype=torch.int64)
     # one copy to the device: the groups' first rows, then their seeds
@@ -1098,9 +1101,9 @@ def grouped_column_block_values(x: torch.Tensor, fmt: Format, widths: list[int] 
         from . import check_unpadded_rows
         check_unpadded_rows(x.shape[0], rows, widths)
     if on_device:
-        widths = device_counts(widths, len(seeds), x.device, "widths").to(torch.int64)
+        widths = device_counts(widths, len(seeds), x.device, "widths")
         if rows is not None:
-            rows = device_counts(rows, len(seeds), x.device, "rows").to(torch.int64)
+            rows = device_counts(rows, len(seeds), x.device, "rows")
     padded = x.shape[0] if rows is None else (
         cdiv(x.shape[0] + (COL_GROUP_WIDTH - 1) * len(widths), COL_GROUP_WIDTH) * COL_GROUP_WIDTH if on_device
         else sum(widths))
@@ -1113,12 +1116,16 @@ def grouped_column_block_values(x: torch.Tensor, fmt: Format, widths: list[int] 
     x = x.contiguous()
     g = len(widths)
     h_seeds = [0] * g if hadamard_seeds is None else hadamard_seeds
+    src = None
     if on_device or isinstance(seeds, torch.Tensor) or isinstance(h_seeds, torch.Tensor):
-        # device counts or seeds (a SeedTable's slots): kept there, the edges made or copied once
-        edges = (torch.cat([widths.new_zeros(1), widths.cumsum(0)]) if on_device else
-                 torch.tensor([0, *itertools.accumulate(widths)], dtype=torch.int64).to(x.device, non_blocking=True))
-        grouped = (edges, _group_seeds(seeds, rounding is Rounding.STOCHASTIC, x.device),
-                   _group_seeds(h_seeds, signs is HadamardSigns.RANDOM, x.device), g)
+        # device counts or seeds (a SeedTable's slots): kept there, the edges made (one launch) or copied once
+        if on_device:
+            edges, source = groups.column_edges(widths, rows)
+            src = None if rows is None else (source, padded)
+        else:
+            edges = torch.tensor([0, *itertools.accumulate(widths)], dtype=torch.int64).to(x.device, non_blocking=True)
+        grouped = (edges, _group_seeds(seeds, rounding is Rounding.STOCHASTIC, edges),
+                   _group_seeds(h_seeds, signs is HadamardSigns.RANDOM, edges), g)
     else:
         widths_t = torch.tensor(widths, dtype=torch.int64)
         h_seeds = [_kernel_seed(h) if signs is HadamardSigns.RANDOM else 0 for h in h_seeds]
@@ -1126,7 +1133,8 @@ def grouped_column_block_values(x: torch.Tensor, fmt: Format, widths: list[int] 
                           torch.tensor([_seed(rounding, s) for s in seeds] + h_seeds, dtype=torch.int64)]
                          ).to(x.device, non_blocking=True)  # no stream sync, as matmul's tile lists
         grouped = (meta[: g + 1], meta[g + 1: 2 * g + 1], meta[2 * g + 1:], g)
-    src = None if rows is None else (_source_groups(widths, rows, x.device), padded)
+    if rows is not None and src is None:
+        src = (_source_groups(widths, rows, x.device), padded)
     rotation = NO_ROTATION.value if signs is None else HADAMARD_RULES[signs]
     stochastic = rounding is Rounding.STOCHASTIC
     if fmt is Format.NVFP4:
@@ -1143,12 +1151,9 @@ def grouped_column_block_values(x: torch.Tensor, fmt: Format, widths: list[int] 
     return values.view(torch.bfloat16), None
 
 
-def _source_groups(widths: list[int] | torch.Tensor, rows: list[int] | torch.Tensor,
-                   device: torch.device) -> torch.Tensor:
+def _source_groups(widths: list[int], rows: list[int], device: torch.device) -> torch.Tensor:
     """[2 G] int64 on the device: each group's shift from the padded layout back to x (its first
-    padded row minus its first row in x), then its row count."""
-    if isinstance(rows, torch.Tensor):
-        return torch.cat([(widths.cumsum(0) - widths) - (rows.cumsum(0) - rows), rows])
+    padded row minus its first row in x), then its row count (device counts: groups.column_edges)."""
     shifts = list(itertools.accumulate((w - n for w, n in zip(widths, rows)), initial=0))[:-1]  # padding before g
     return torch.tensor(shifts + list(rows), dtype=torch.int64).to(device, non_blocking=True)
 

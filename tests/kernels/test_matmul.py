@@ -8,7 +8,7 @@ from hypothesis import given, settings, strategies as st
 
 triton = pytest.importorskip("triton")
 
-from fp4lab.kernels import matmul  # noqa: E402
+from fp4lab.kernels import groups, matmul  # noqa: E402
 from fp4lab.kernels.matmul import contraction_grouped_mm, grouped_scaled_mm, scaled_mm  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -219,8 +219,9 @@ def test_a_device_tile_list_is_the_host_list_then_empty_tiles(sizes, bm):
     """The device list's live tiles are the host list's, in order; the rest (the bound covers any
     split of the rows) have an empty row range, so their programs store nothing."""
     group, row, end = matmul._host_tiles(sizes, bm, torch.device("cpu"))
-    d_group, d_row, d_end = matmul._device_tiles(torch.tensor(sizes), sum(sizes), bm)
+    d_group, d_row, d_end = groups.tiles(torch.tensor(sizes, device=DEVICE), sum(sizes), bm)
     live = group.numel()
+    d_group, d_row, d_end = d_group.cpu(), d_row.cpu(), d_end.cpu()
     assert d_group.numel() >= live and torch.equal(d_end, end)
     assert torch.equal(d_group[:live], group) and torch.equal(d_row[:live], row)
     assert bool((d_row[live:] >= d_end[d_group[live:].long()]).all())
@@ -233,7 +234,7 @@ def test_a_device_tile_list_from_wrong_counts_stays_inside_the_rows(sizes, rows,
     """Counts that do not sum to the rows (negative, too many: a bug upstream) are clamped: every
     group end and every tile's row range lies inside the rows, and the live tiles are the host
     list's for the clamped sizes."""
-    group, row, end = matmul._device_tiles(torch.tensor(sizes), rows, bm)
+    group, row, end = (t.cpu() for t in groups.tiles(torch.tensor(sizes, device=DEVICE), rows, bm))
     clamped, left = [], rows
     for size in sizes:
         clamped.append(min(max(size, 0), left))
