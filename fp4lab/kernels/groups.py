@@ -6,7 +6,7 @@ list, the padded column groups of wgrad. Made with torch ops each was a chain of
 launches of a few elements (cumsum, clamp, cat, searchsorted, casts): about 380 launches an MoE
 layer's step, a sixth of a captured moe64 step's kernels and 2.7 ms of its GPU time
 (benchmarks/NOTES.md, twenty-sixth session). Here each table is one single-program Triton launch
-that holds the G counts in registers (cumulative sums by ``tl.cumsum``; a tile's group by
+of a program or a few that hold the G counts in registers (cumulative sums by ``tl.cumsum``; a tile's group by
 counting the tile ends at or below it, the searchsorted the list needs).
 
     edges(counts, total)              -> [2, G] int64 (starts, ends): groups back to back, negative
@@ -82,24 +82,25 @@ def segments(counts: torch.Tensor, total: int) -> torch.Tensor:
 @cached  # (launched through kernels.launch)
 @triton.jit
 def _tiles_kernel(sizes_ptr, group_ptr, row_ptr, ends_ptr, G, rows, bm, T, BG: tl.constexpr, BT: tl.constexpr):
+    # each program lists BT tiles (every program sums the G counts again: a few instructions, where
+    # one program walking all the tiles took 14 us at moe64's 447)
     g = tl.arange(0, BG)
     live = g < G
     starts, ends = _clamped_edges(tl.load(sizes_ptr + g, mask=live, other=0), rows)
-    tl.store(ends_ptr + g, ends.to(tl.int32), mask=live)
+    if tl.program_id(0) == 0:
+        tl.store(ends_ptr + g, ends.to(tl.int32), mask=live)
     per = (ends - starts + bm - 1) // bm  # each group's tiles
     tiles_end = tl.cumsum(per, 0)
-    live_tiles = tl.sum(per, 0)
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    # the first group whose tiles end past t (searchsorted, right), the last group past them all
+    past = live[None, :] & (tiles_end[None, :] <= t[:, None])
+    group = tl.minimum(tl.sum(past.to(tl.int32), 1), G - 1)
+    at = g[None, :] == group[:, None]  # (picks each tile's group's entries out of the lanes)
+    first = tl.sum(tl.where(at, starts[None, :] - (tiles_end - per)[None, :] * bm, 0), 1)
     last_end = tl.max(tl.where(live, ends, 0), 0)
-    for t0 in range(0, T, BT):
-        t = t0 + tl.arange(0, BT)
-        # the first group whose tiles end past t (searchsorted, right), the last group past them all
-        past = live[None, :] & (tiles_end[None, :] <= t[:, None])
-        group = tl.minimum(tl.sum(past.to(tl.int32), 1), G - 1)
-        at = g[None, :] == group[:, None]  # (picks each tile's group's entries out of the lanes)
-        first = tl.sum(tl.where(at, starts[None, :] - (tiles_end - per)[None, :] * bm, 0), 1)
-        row = tl.where(t < live_tiles, first + t.to(tl.int64) * bm, last_end)
-        tl.store(group_ptr + t, group, mask=t < T)
-        tl.store(row_ptr + t, row.to(tl.int32), mask=t < T)
+    row = tl.where(t < tl.sum(per, 0), first + t.to(tl.int64) * bm, last_end)
+    tl.store(group_ptr + t, group, mask=t < T)
+    tl.store(row_ptr + t, row.to(tl.int32), mask=t < T)
 
 
 def tiles(sizes: torch.Tensor, rows: int, bm: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -119,7 +120,9 @@ def tiles(sizes: torch.Tensor, rows: int, bm: int) -> tuple[torch.Tensor, torch.
     group, row = torch.empty(2, count, dtype=torch.int32, device=sizes.device)
     ends = torch.empty(n_groups, dtype=torch.int32, device=sizes.device)
     lanes = _lanes(n_groups)
-    _tiles_kernel[(1,)](sizes, group, row, ends, n_groups, rows, bm, count, BG=lanes, BT=max(16, 8192 // lanes))
+    per_program = max(16, min(128, 8192 // lanes))
+    _tiles_kernel[(max(1, triton.cdiv(count, per_program)),)](sizes, group, row, ends, n_groups, rows, bm, count,
+                                                               BG=lanes, BT=per_program)
     return group, row, ends
 
 

@@ -69,17 +69,30 @@ def derive_seeds(first: Sequence[int], *parts: int | Sequence[int]) -> list[int]
     all elements at once (an MoE projection's experts, a step's seed table: one pass of array
     arithmetic instead of a Python fold per element; numpy's uint64 arithmetic wraps as the masks
     above do)."""
-    def column(part: int | Sequence[int]) -> np.ndarray:
-        values = [part] if isinstance(part, int) else part
-        return np.array([v & _MASK64 for v in values], dtype=np.uint64)
-
     h = np.full(len(first), _START, dtype=np.uint64)
     for part in (first, *parts):
-        h ^= column(part)
-        h = (h ^ (h >> np.uint64(30))) * np.uint64(_MIX1)
-        h = (h ^ (h >> np.uint64(27))) * np.uint64(_MIX2)
-        h ^= h >> np.uint64(31)
+        h = seed_fold(h, seed_column(part))
     return (h >> np.uint64(1)).tolist()
+
+
+def seed_column(part: int | Sequence[int]) -> np.ndarray:
+    """Parts of derive_seed as uint64 (negative ones two's-complement, as its mask reads them)."""
+    values = [part] if isinstance(part, int) else part
+    return np.array([v & _MASK64 for v in values], dtype=np.uint64)
+
+
+def seed_fold(h: np.ndarray, part: np.ndarray) -> np.ndarray:
+    """One step of derive_seed's fold over uint64 arrays: h (the fold so far, _START to begin) with
+    ``part`` folded in; derive_seed's value is the last fold shifted right once."""
+    h = h ^ part
+    h = (h ^ (h >> np.uint64(30))) * np.uint64(_MIX1)
+    h = (h ^ (h >> np.uint64(27))) * np.uint64(_MIX2)
+    return h ^ (h >> np.uint64(31))
+
+
+def seed_start(n: int) -> np.ndarray:
+    """n folds at their start (derive_seed's first state)."""
+    return np.full(n, _START, dtype=np.uint64)
 
 
 class Rotation(NamedTuple):

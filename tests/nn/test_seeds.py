@@ -4,6 +4,7 @@ import importlib.util
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 from fp4lab.nn.gemms import GEMMS, QuantContext, call_at, layer_key
 from fp4lab.nn.linear import FP4Linear
@@ -128,3 +129,25 @@ def test_a_step_on_a_seed_table_reads_no_seed_on_the_host(backend, monkeypatch):
         layer = FP4Linear(64, 48, recipe=recipe, name="a", context=QuantContext(tick=2, seeds=seeds)).to(DEVICE)
         _step(layer, torch.randn(32, 64, device=DEVICE), torch.randn(32, 48, device=DEVICE))
         assert not any(read) if seeds is not None else read  # int seeds: resolved, and never tensors
+
+
+@settings(max_examples=30, deadline=None)
+@given(parts=st.lists(st.tuples(st.sampled_from([0, 1234, -5, 2**63 + 3, 2**64 - 1]),
+                                st.integers(-2**63, 2**64 - 1), st.sampled_from([0, 0, 1, 7, 2**40]),
+                                st.integers(0, 2), st.sampled_from([ord("a"), ord("b"), ord("h")])),
+                      min_size=1, max_size=40, unique=True),
+       ticks=st.lists(st.integers(0, 2**63 - 1), min_size=1, max_size=3), grow_at=st.integers(1, 40))
+def test_a_fill_writes_each_slots_derived_seed(parts, ticks, grow_at):
+    """fill's array passes (each spec folded up to its layer once) give derive_seed(derive_seed(recipe
+    seed, layer, tick[, rank]), gemm, side) for every slot (rank 0 folds none), across ticks and
+    with slots drawn between fills; parts past int64 and negative read as derive_seed's mask reads
+    them."""
+    table = SeedTable("cpu", capacity=4)
+    for i, spec in enumerate(parts):
+        table.slot(*spec)
+        if i + 1 == grow_at or i + 1 == len(parts):
+            for tick in ticks:
+                table.fill(tick)
+                want = [derive_seed(derive_seed(s, layer, tick, *([rank] if rank else [])), gemm, side)
+                        for s, layer, rank, gemm, side in table.specs]
+                assert table.values[: len(table.specs)].tolist() == want
