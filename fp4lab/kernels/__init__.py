@@ -23,7 +23,8 @@ Files: elements.py (device functions for codes), quantize.py (NVFP4/MXFP4 quanti
 Hadamard), amax.py (tensor amax pass), decode.py (dequantize), gemm.py (emulated FP4 GEMM),
 operand.py (BlockValues: a quantized operand decoded for BF16 tensor cores), matmul.py (scaled
 BF16 GEMM with alpha in the epilogue, dense and grouped), blas.py (the dense one on cuBLASLt, where
-CUDA has it), host.py (launch sizing arithmetic).
+CUDA has it), groups.py (a routing's device counts into the grouped launches' tables, one launch
+each), host.py (launch sizing arithmetic).
 Speed: benchmarks/README.md; correctness: tests/kernels (bytes equal to fp4lab.formats).
 
 Public: ``Backend``, ``FAST_QUANTIZERS``, ``quantize_as``, ``quantize_nvfp4``, ``quantize_mxfp4``,

@@ -51,6 +51,7 @@ Public: ``QuantContext``, ``Call``, ``make_call``, ``call_at``, ``layer_key``, `
 from __future__ import annotations
 
 import dataclasses
+import math
 import zlib
 from dataclasses import dataclass, field
 
@@ -223,13 +224,20 @@ def keeps_x_wgrad(recipe: Recipe, x: torch.Tensor, grouped: bool, keep_x: bool) 
             and pair_applies(recipe, x, ("fprop", "a"), ("wgrad", "b")))
 
 
-def keeps_w_values(recipe: Recipe, grouped: bool, keep_w: bool) -> bool:
-    """Whether a dense layer's forward under ``recipe`` (at any progress) hands its backward
-    fprop's weight block values for dgrad to multiply transposed (Call.dgrad_reuses_fprop_weight's
-    rule, without statistics: the custom ops collect none), decided, as keeps_x_wgrad is, from the
-    recipe and the arguments alone."""
-    return (keep_w and not grouped and recipe.bf16_after is None and recipe.fprop.emulated and recipe.dgrad.emulated
-            and _weight_tiles_shared(recipe))
+def keeps_w_values(recipe: Recipe, grouped: bool, keep_w: bool, *, every_group_live: bool = True,
+                   n: int = 16) -> bool:
+    """Whether a layer's forward under ``recipe`` (at any progress) hands its backward fprop's
+    weight block values for dgrad to multiply transposed (Call.dgrad_reuses_fprop_weight's rule,
+    without statistics: the custom ops collect none), decided, as keeps_x_wgrad is, from the
+    recipe and the arguments alone. A grouped layer's are every expert's tiles from one launch
+    (_fprop_weights_at_once), made where every expert has rows (``every_group_live``: device
+    counts, or host sizes none of them 0), the weight is undithered and its ``n`` rows a group
+    are whole 16-row tiles."""
+    if not (keep_w and recipe.bf16_after is None and recipe.fprop.emulated and recipe.dgrad.emulated
+            and _weight_tiles_shared(recipe)):
+        return False
+    return not grouped or (every_group_live and n % 16 == 0 and recipe.fprop.b.quantized
+                           and not recipe.fprop.b.dither)
 
 
 @recipe_rule
@@ -265,9 +273,10 @@ def draws_seeds(recipe: Recipe) -> bool:
 
 
 def w_values_shape(weight: torch.Tensor) -> tuple[int, int]:
-    """The stored shape of a [N, K] weight's 16x16-tiled block values: both axes padded to 16."""
+    """The stored shape of a [N, K] weight's 16x16-tiled block values, both axes padded to 16; of a
+    [G, N, K] one's (every expert's, N a multiple of 16), the experts' tiles stacked: [G N, K padded]."""
     n, k = weight.shape[-2:]
-    return n + (-n % 16), k + (-k % 16)
+    return math.prod(weight.shape[:-2]) * (n + (-n % 16)), k + (-k % 16)
 
 
 def x_wgrad_operand(x: torch.Tensor, call: Call) -> BlockValues:
@@ -486,8 +495,9 @@ def gemms_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, size
     w_src = saved.get("w_src") or [calls[g].weight_source(weight[g]) for g in live]
     w_values = saved.get("w_values")
     if w_values is None and need_dx and grouped and calls[0].dgrad_reuses_fprop_weight():
-        # nothing kept (the custom ops of nn.ops): fprop's tiles of every expert made again in one
-        # launch and transposed, rather than each expert's weight quantized along N on its own
+        # nothing kept (a caller that saved nothing; nn.ops keeps them where every expert has rows):
+        # fprop's tiles of every expert made again in one launch and transposed, rather than each
+        # expert's weight quantized along N on its own
         w_values = _fprop_weights_at_once(weight, live_calls)
     rows = _rows(sizes, live)
     xs, dys = _split(x, sizes, live, grouped), _split(dy, sizes, live, grouped)

@@ -15,10 +15,11 @@ With ``keep_x`` (a weight gradient follows), a dense layer whose two copies of x
 on what it finds) returns wgrad's copy of x, made in the read that made fprop's, as eager does:
 its block values [K, rows padded to 32] and tensor scale (empty tensors where none), saved for
 the backward in place of x (which then travels as a one-element stand-in of its shape). With
-``keep_w`` (an input gradient follows), a dense layer whose dgrad multiplies fprop's weight tiles
-transposed (gemms.keeps_w_values, from the recipe alone) returns those block values [N, K, each
-padded to 16] and their tensor scale, so the backward does not quantize the weight again, as
-eager does not.
+``keep_w`` (an input gradient follows), a layer whose dgrad multiplies fprop's weight tiles
+transposed (gemms.keeps_w_values, from the recipe and the arguments alone) returns those block
+values (dense: [N, K, each padded to 16], and its tensor scale; grouped, where every expert has
+rows: every expert's tiles of fprop's one launch, [G N, K padded], and the [G] tensor scales), so
+the backward does not quantize the weight again, as eager does not.
 
 ``counts``, where given, are a grouped call's row counts as a device tensor (``sizes`` is then
 empty): the routing's counts never read on the host, so a compiled MoE block is one graph and a
@@ -34,11 +35,10 @@ CUDA graph around the compiled step draws each step's bits), ``clock`` the Quant
 guard on, so the compiled graph serves every step without recompiling. Each op rebuilds the Calls
 from them (gemms.call_at), so its results are bit-identical to the eager path's (tested).
 
-Differences from the eager path, costs rather than results: an MoE projection's dgrad makes
-fprop's tiles of every expert again in one launch and transposes them, where eager keeps them
-(the same values, tested in nn.gemms; each expert's weight quantized alone cost two launches an
-expert), and where dgrad does not multiply fprop's tiles, a dithered weight is dithered again in
-backward (the same seed). Operand
+Differences from the eager path, costs rather than results: an MoE projection with an expert
+without rows (host sizes) quantizes dgrad's weights again in backward, expert by expert, where eager
+keeps fprop's tiles (the same values, tested in nn.gemms), and where dgrad does not multiply fprop's tiles, a dithered weight is
+dithered again in backward (the same seed). Operand
 statistics (a Python side effect) are not collected here: layers with ``context.collect`` take
 the eager path.
 
@@ -85,7 +85,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..kernels import BlockValues
+from ..kernels import BlockValues, GroupedValues
 from .. import kernels
 from ..kernels.host import env
 from .gemms import (WGRAD_ROW_MULTIPLE, Call, QuantContext, call_at, capturing, draws_seeds, gemms_backward,
@@ -201,13 +201,31 @@ def _gemms(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, siz
 def _forward(x, weight, bias, sizes, calls, grouped, keep_x, keep_w, r):
     """Both forward ops' body under the registered recipe ``r``: gemms_forward, and what it keeps
     for the backward as tensors."""
-    keep, keep_w = keeps_x_wgrad(r, x, grouped, keep_x), keeps_w_values(r, grouped, keep_w)
+    keep = keeps_x_wgrad(r, x, grouped, keep_x)
+    keep_w = keeps_w_values(r, grouped, keep_w, every_group_live=_every_group_live(sizes), n=weight.shape[-2])
     y, saved = gemms_forward(x, weight, bias, sizes, calls, grouped, keep=keep_w, keep_x=keep)
-    w_out = _values_and_scale(saved["w_values"][0]) if keep_w else _none_kept(x)
+    w_out = _weights_kept(saved["w_values"], grouped) if keep_w else _none_kept(x)
     if not keep:
         return y, *_none_kept(x), *w_out
     # made in fprop's read, or (the pair switched off since the graph was planned) on its own
     return y, *_values_and_scale(saved.get("x_wgrad") or x_wgrad_operand(x, calls[0])), *w_out
+
+
+def _every_group_live(sizes: list[int] | torch.Tensor) -> bool:
+    """Every group has rows: device counts (all groups run), or host sizes none of them 0."""
+    return isinstance(sizes, torch.Tensor) or all(sizes)
+
+
+def _weights_kept(w_values: list[BlockValues] | GroupedValues, grouped: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """fprop's weight tiles as the forward op returns them: a dense layer's operand, or every
+    expert's tiles of one launch with their [G] tensor scales (keeps_w_values promised that one)."""
+    if not grouped:
+        return _values_and_scale(w_values[0])
+    if not isinstance(w_values, GroupedValues):
+        raise RuntimeError("a grouped layer's forward promised every expert's weight tiles from one launch, "
+                           f"and fprop made {type(w_values).__name__}: keeps_w_values and gemms_forward disagree")
+    scales = w_values.tensor_scales
+    return w_values.values, (scales if scales is not None else w_values.values.new_empty(0, dtype=torch.float32))
 
 
 def _values_and_scale(v: BlockValues) -> tuple[torch.Tensor, torch.Tensor]:
@@ -239,8 +257,12 @@ def _(x, weight, bias, sizes, counts, layers, recipe, clock, rank, seeds, groupe
     def scale(spec) -> torch.Tensor:
         return x.new_empty((), dtype=torch.float32) if spec.format.spec.tensor_scale else x.new_empty(
             0, dtype=torch.float32)
-    w_out = ((x.new_empty(w_values_shape(weight), dtype=torch.bfloat16), scale(r.fprop.b))
-             if keeps_w_values(r, grouped, keep_w) else _none_kept(x))
+    w_out = _none_kept(x)
+    if keeps_w_values(r, grouped, keep_w, every_group_live=counts is not None or all(sizes), n=weight.shape[-2]):
+        w_scale = scale(r.fprop.b)
+        if grouped and w_scale.dim() == 0:  # (one per expert)
+            w_scale = x.new_empty(weight.shape[0], dtype=torch.float32)
+        w_out = x.new_empty(w_values_shape(weight), dtype=torch.bfloat16), w_scale
     if not keeps_x_wgrad(r, x, grouped, keep_x):
         return y, *_none_kept(x), *w_out
     rows = x.shape[0] + (-x.shape[0] % WGRAD_ROW_MULTIPLE)
@@ -264,8 +286,14 @@ def _backward_body(dy, x, weight, sizes, calls, grouped, need_dx, need_dw, x_wgr
     forward op kept."""
     # what the forward op kept: wgrad's copy of x, fprop's weight tiles (None: not kept)
     xw = _kept(x_wgrad, x_wgrad_scale, x.shape[1], r.wgrad.b.format)
-    wv = _kept(w_values, w_scale, weight.shape[1], r.fprop.b.format)
-    saved = {"x_wgrad": xw, "w_values": None if wv is None else [wv]}
+    if grouped:  # every expert's tiles (or none kept)
+        g, n = weight.shape[:2]
+        wv = None if not w_values.numel() else GroupedValues(w_values, w_scale if w_scale.numel() else None,
+                                                              (n,) * g, r.fprop.b.format)
+    else:
+        wv = _kept(w_values, w_scale, weight.shape[1], r.fprop.b.format)
+        wv = None if wv is None else [wv]
+    saved = {"x_wgrad": xw, "w_values": wv}
     dx, dw = gemms_backward(dy, x, weight, sizes, calls, grouped, need_dx=need_dx, need_dw=need_dw, saved=saved)
     # an op returns tensors, never None: an empty one stands for a gradient not asked for
     return (dx if dx is not None else x.new_empty(0)), (dw if dw is not None else weight.new_empty(0))

@@ -155,6 +155,34 @@ def test_the_forward_ops_outputs_are_what_its_fake_says(recipe_name, keeps, n, k
     assert [t.numel() for t in torch.ops.fp4lab.gemms(*no_grads)[1:]] == [0, 0, 0, 0]
 
 
+@pytest.mark.parametrize("case", ["sizes", "an_empty_expert", "counts", "n_40"])
+def test_the_grouped_forward_ops_weight_tiles_are_what_its_fake_says(case, monkeypatch):
+    """A grouped call keeps every expert's fprop weight tiles (one launch's GroupedValues: [G N, K
+    padded], a tensor scale per expert) where every expert has rows (device counts, or host sizes
+    without a 0) and N is whole 16-row tiles; the fake plans the same shapes."""
+    from fp4lab.nn.ops import recipe_index
+    n = 40 if case == "n_40" else 48
+    sizes = [16, 0, 24] if case == "an_empty_expert" else [16, 8, 16]
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(sum(sizes), 64, generator=g), torch.randn(3, n, 64, generator=g)
+    layers = torch.tensor([layer_key(f"e.{e}") for e in range(3)])
+    context = QuantContext()
+    counts = None
+    if case == "counts":  # (device counts: the Triton path, interpreted here, with seeds in a table)
+        if importlib.util.find_spec("triton") is None:
+            pytest.skip("needs triton (TRITON_INTERPRET=1 on a CPU)")
+        monkeypatch.setenv("FP4LAB_BACKEND", "triton")
+        counts, sizes, context.seeds = torch.tensor(sizes), [], SeedTable("cpu", capacity=16)
+    recipe = preset("nvfp4").override({"keep_first": 0, "keep_last": 0})
+    seeds = -1 if context.seeds is None else context.seeds.index
+    args = (x, w, None, sizes, counts, layers, recipe_index(recipe), context.clock, 0, seeds, True, True, True)
+    torch.library.opcheck(torch.ops.fp4lab.gemms.default, args, test_utils=("test_schema", "test_faketensor"))
+    _, xw, _, wv, w_scale = torch.ops.fp4lab.gemms(*args)
+    kept = case in ("sizes", "counts")
+    assert xw.numel() == 0  # (a grouped layer's wgrad copy of x is made in backward)
+    assert wv.shape == ((3 * n, 64) if kept else (0,)) and w_scale.shape == ((3,) if kept else (0,))
+
+
 def test_a_compiled_moe_model_gives_the_eager_results():
     # routing (bincount, per-expert counts) breaks the graph; the grouped FP4 projections do not
     torch.manual_seed(0)

@@ -9,6 +9,7 @@ import torch
 
 from fp4lab.kernels import GroupedValues
 from fp4lab.nn import MoE, MoEConfig, quantize_model
+from fp4lab.nn import gemms as gemms_module
 from fp4lab.nn import moe as moe_module
 from fp4lab.nn.linear import QuantContext, fp4_linear, grouped_fp4_linear
 from fp4lab.nn.recipe import nvfp4, preset
@@ -175,14 +176,25 @@ def test_a_compiled_fp4_moe_layer_keeps_the_counts_on_the_device_in_one_graph(na
     recipe = preset(name)
     if name == "nvfp4":
         recipe = recipe.override({"keep_first": 0, "keep_last": 0})
-    host = _run(recipe, True, "triton", monkeypatch)
+    made, weights_at_once = [], gemms_module._fprop_weights_at_once
+
+    def counted(weight, calls):  # every expert's weight tiles made in one launch, forward or backward
+        made.append(weight.shape)
+        return weights_at_once(weight, calls)
+    monkeypatch.setattr(gemms_module, "_fprop_weights_at_once", counted)
+    host = _run(recipe, True, "triton", monkeypatch, all_live=True)  # (undoes the patch)
+    eager_made, made[:] = list(made), []
     seen, spy = [], moe_module.grouped_fp4_linear
     monkeypatch.setattr(moe_module, "grouped_fp4_linear", lambda x, w, counts, *a, **k: (
         seen.append(isinstance(counts, torch.Tensor)), spy(x, w, counts, *a, **k))[1])
-    got = _run(recipe, True, "triton", monkeypatch, table=True, compiled=True)  # (undoes the patch)
+    monkeypatch.setattr(gemms_module, "_fprop_weights_at_once", counted)
+    got = _run(recipe, True, "triton", monkeypatch, table=True, compiled=True, all_live=True)  # (undoes the patches)
     assert seen and all(seen)
     for a, b in zip(got, host):
         assert torch.equal(a, b)
+    # the forward op hands its backward fprop's weight tiles (NVFP4's 16x16), as eager keeps them:
+    # each projection's made once, not again for dgrad
+    assert len(made) == len(eager_made) == (3 if name == "nvfp4" else len(made))
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (TRITON_INTERPRET=1 on a CPU)")
