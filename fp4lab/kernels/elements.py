@@ -271,8 +271,20 @@ def pack_nibble_pairs(codes, ROWS: tl.constexpr, COLS: tl.constexpr):
 @triton.jit
 def group_of(index, start_ptr, n_groups):
     """index: int tensor or scalar -> int32 of its shape: the g with start_ptr[g] <= index <
-    start_ptr[g + 1]. A linear scan: MoE has tens of experts, and the starts stay in cache."""
+    start_ptr[g + 1] (starts ascending from start_ptr[0] <= index; of equal starts, the last: the
+    empty groups before it hold nothing). A binary search, ceil(log2 G) loads: the linear scan it
+    replaces ran G - 1 iterations of every thread of every grouped launch, about a third of a
+    64-expert rows or columns copy's instructions a thread (benchmarks/NOTES.md, twenty-sixth
+    session). Starts out of order (counts never checked on the host) still give a group in range."""
     group = (index * 0).to(tl.int32)
-    for g in range(1, n_groups):
-        group += (index >= tl.load(start_ptr + g)).to(tl.int32)
+    span = 1
+    while span < n_groups:
+        span *= 2
+    span = span // 2
+    while span > 0:  # (the largest g whose start is at or below index, a bit at a time)
+        probe = group + span
+        inside = probe < n_groups
+        start = tl.load(start_ptr + tl.where(inside, probe, 0))
+        group = tl.where(inside & (index >= start), probe, group)
+        span = span // 2
     return group

@@ -202,8 +202,11 @@ def _contraction_grouped_kernel(a_ptr, b_ptr, c_ptr, alpha_ptr, k_start_ptr, k_w
         width = tl.multiple_of(width, K_MULTIPLE)
     acc = _accumulate(a_ptr + k0 * s_ak, b_ptr + k0 * s_bk, rm_in, rn_in, s_am, s_ak, s_bn, s_bk,
                       width, EVEN_K, DOT_F32, BM, BN, BK)
+    # alpha[g] as the epilogue applies it; a group of width 0 gives zeros, as scaled_mm at K = 0
+    # (not alpha * 0: an empty group's alpha may be inf), written here rather than filled after
+    acc = acc * tl.where(width > 0, tl.load(alpha_ptr + g), 0.0)
     _store_scaled(acc, alpha_ptr, alpha_ptr, g, 1, c_ptr + g.to(tl.int64) * s_cg, rm, rn, M, N, s_cm, s_cn, BF16_OUT,
-                  1)
+                  0)
 
 
 @cached  # (launched through kernels.launch)
@@ -605,10 +608,4 @@ def contraction_grouped_mm(a: torch.Tensor, b: torch.Tensor, widths: Sequence[in
                                       out.stride(1), out.stride(2), BF16_OUT=out_dtype == torch.bfloat16,
                                       EVEN_K=even_k, DOT_F32=interpreted, K_MULTIPLE=math.gcd(bk, width_multiple),
                                       BM=bm, BN=bn, BK=bk, num_warps=_WGRAD_WARPS, num_stages=_WGRAD_STAGES)
-    # a group of width 0 gives zeros, as scaled_mm at K = 0 (not alpha * 0: inf * 0)
-    if listed:
-        if empty := [g for g, w in enumerate(widths) if w == 0]:
-            out[empty] = 0
-    else:
-        out.masked_fill_((segments[1] == 0)[:, None, None], 0)
     return out

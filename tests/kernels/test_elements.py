@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
@@ -15,7 +16,7 @@ from fp4lab.formats.rng import philox4x32, random_bytes  # noqa: E402
 from fp4lab.kernels.elements import (_e4m3_rtne_integer, _e4m3_value_integer,  # noqa: E402
                                      _one_plus_rounded_up, _one_plus_rounded_up_fast2sum, e2m1_rtne,
                                      e2m1_rtne_value, e2m1_stochastic, e2m1_stochastic_value, e4m3_rtne,
-                                     e4m3_value, philox_bytes, to_bf16_rtne)
+                                     e4m3_value, group_of, philox_bytes, to_bf16_rtne)
 
 from ..checkout import subprocess_env  # noqa: E402
 
@@ -160,6 +161,29 @@ def test_philox_bytes_match_rng():
     words = torch.stack(philox4x32(12345, torch.arange(2**33, 2**33 + 64)), -1)  # [64, 4]
     ref = (words[:, :, None] >> torch.tensor([0, 8, 16, 24])) & 0xFF  # byte j = word j//4, shift 8(j%4)
     assert torch.equal(out.cpu(), ref.reshape(-1).int())
+
+
+@triton.jit
+def _group_of_kernel(index_ptr, start_ptr, out_ptr, scalar_ptr, n, n_groups, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    index = tl.load(index_ptr + offs, mask=offs < n, other=0)
+    tl.store(out_ptr + offs, group_of(index, start_ptr, n_groups), mask=offs < n)
+    tl.store(scalar_ptr, group_of(tl.load(index_ptr), start_ptr, n_groups))  # (a scalar index: a column group)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), n_groups=st.sampled_from([1, 2, 3, 7, 8, 9, 64, 65, 130]))
+def test_a_rows_group_is_the_last_start_at_or_below_it(data, n_groups):
+    """group_of's binary search is searchsorted(starts, i, right) - 1 over ascending starts from 0,
+    empty groups (equal starts) included, for a vector of indices and for a scalar one."""
+    sizes = data.draw(st.lists(st.integers(0, 40), min_size=n_groups, max_size=n_groups))
+    starts = torch.tensor([0, *sizes[:-1]]).cumsum(0)
+    total = max(1, sum(sizes))
+    index = torch.tensor(data.draw(st.lists(st.integers(0, total - 1), min_size=1, max_size=64)))
+    out, scalar = torch.empty(64, dtype=torch.int32, device=DEVICE), torch.empty(1, dtype=torch.int32, device=DEVICE)
+    _group_of_kernel[(1,)](index.to(DEVICE), starts.to(DEVICE), out, scalar, index.numel(), n_groups, BLOCK=64)
+    want = (torch.searchsorted(starts, index, right=True) - 1).int()
+    assert torch.equal(out[: index.numel()].cpu(), want) and int(scalar) == int(want[0])
 
 
 @triton.jit

@@ -208,9 +208,12 @@ def test_device_widths_give_the_unmasked_contractions_bits(widths):
     masks (EVEN_K), the device path with masks that are all true, the same bits."""
     g = torch.Generator().manual_seed(sum(widths))
     x, dy = (torch.randn(n, sum(widths), generator=g).bfloat16().to(DEVICE) for n in (40, 24))
-    alpha = (torch.rand(len(widths), generator=g) + 0.5).to(DEVICE)
-    assert torch.equal(contraction_grouped_mm(x, dy, torch.tensor(widths, device=DEVICE), alpha),
-                       contraction_grouped_mm(x, dy, widths, alpha))
+    alpha = torch.rand(len(widths), generator=g) + 0.5
+    alpha[[e for e, w in enumerate(widths) if w == 0]] = float("inf")  # (an empty group is zeros all the same)
+    alpha = alpha.to(DEVICE)
+    device = contraction_grouped_mm(x, dy, torch.tensor(widths, device=DEVICE), alpha)
+    assert torch.equal(device, contraction_grouped_mm(x, dy, widths, alpha))
+    assert all(not device[e].any() for e, w in enumerate(widths) if w == 0)
 
 
 @settings(max_examples=200, deadline=None)

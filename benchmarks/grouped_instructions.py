@@ -1,0 +1,93 @@
+"""PTX instructions a thread of the MoE's grouped quantize launches, compiled for an H100 on the CPU.
+
+    python benchmarks/grouped_instructions.py [--experts 64] [--no-save]
+
+Makes the grouped launches one FP4 MoE projection's step makes with the routing's counts on the
+device (the rows copy RTNE and SR, the per-expert amax, the columns copy's amax and values passes
+with random-sign RHT, read from unpadded rows), through tests/kernels/hopper_compile.py's
+recorder, compiles each for sm_90 (no GPU, no TRITON_INTERPRET) and counts its PTX: instructions
+in all, and those compiled from ``elements.group_of`` (finding a row's or a column tile's expert),
+which run in a loop: a thread executes them about ceil(log2 G) times (the binary search; the linear
+scan before it ran G - 1 times). These launches are instruction-bound on the H100 (benchmarks/NOTES.md,
+the sixteenth session), so the executed count is what a change to them should lower. Writes
+benchmarks/results/grouped_instructions.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from pathlib import Path
+
+assert os.environ.get("TRITON_INTERPRET") != "1", "the compiler is what is counted: unset TRITON_INTERPRET"
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests" / "kernels"))
+import hopper_compile  # noqa: E402
+from benchmarks.common import environment, save  # noqa: E402
+from benchmarks.pair_instructions import by_source_line, instructions  # noqa: E402
+from fp4lab.formats.types import Format  # noqa: E402
+from fp4lab.kernels import elements, quantize  # noqa: E402
+
+
+def _group_of_lines() -> range:
+    """The source lines of elements.group_of."""
+    lines, first = __import__("inspect").getsourcelines(elements.group_of.fn)
+    return range(first, first + len(lines))
+
+
+def launches(experts: int) -> dict:
+    x = torch.randn(64 * experts, 512, dtype=torch.bfloat16)
+    counts = torch.full((experts,), 64, dtype=torch.int64)
+    widths = (counts + 31) // 32 * 32
+
+    def work() -> None:
+        hopper_compile.launch_only(quantize.grouped_block_values, x, Format.NVFP4, counts, [0] * experts)
+        hopper_compile.launch_only(quantize.grouped_block_values, x, Format.NVFP4, counts, torch.arange(experts),
+                                   rounding="stochastic")
+        hopper_compile.launch_only(quantize.grouped_column_block_values, x, Format.NVFP4, widths, [0] * experts,
+                                   rows=counts, hadamard="random", hadamard_seeds=torch.arange(experts))
+    return hopper_compile.record(work)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--experts", type=int, default=64)
+    parser.add_argument("--no-save", action="store_true")
+    args = parser.parse_args()
+    search = _group_of_lines()
+    steps = max(1, math.ceil(math.log2(args.experts)))
+    results = {}
+    for fn, types, constexprs, options in launches(args.experts).values():
+        if fn.__name__ not in ("_fp4_quantize_kernel", "_grouped_amax_kernel"):
+            continue  # (the small table launches of kernels.groups)
+        named = {fn.arg_names[i[0]]: v for i, v in constexprs.items()}
+        attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
+                 if types[name] != "constexpr" and types[name].startswith("*")}
+        kernel = triton.compile(ASTSource(fn=fn, signature=types, constexprs=constexprs, attrs=attrs),
+                                target=hopper_compile.HOPPER, options=options)
+        ptx = kernel.asm["ptx"]
+        in_search = sum(n for where, n in by_source_line(ptx).items()
+                        if where.startswith("elements.py:") and int(where.split(":")[1]) in search)
+        name = fn.__name__ if fn.__name__ == "_grouped_amax_kernel" else (
+            f"{'columns' if named['GROUPED'] == quantize.COL_GROUPS.value else 'rows'}"
+            f"{' amax' if named['AMAX_ONLY'] else ''}{' SR' if named['STOCHASTIC'] else ''}")
+        total = len(instructions(ptx))
+        results[name] = {"instructions": total, "group_search": in_search,
+                         "executed_estimate": total - in_search + in_search * steps}
+        print(f"{name:22s} {total:5d} PTX instructions a thread, {in_search:3d} of them the group search "
+              f"(executed about {steps} times at {args.experts} experts: about "
+              f"{results[name]['executed_estimate']} in all)", flush=True)
+    if not args.no_save:
+        save("grouped_instructions", {**environment(), "experts": args.experts, "launches": results})
+
+
+if __name__ == "__main__":
+    main()
