@@ -19,9 +19,10 @@ counting the tile ends at or below it, the searchsorted the list needs).
                                          None): padded column groups, and each group's shift back to
                                          unpadded rows then its row count (as read in place)
 
-Each returns the tensors the torch expressions in its docstring give, for every input (the tests
-hold them to those expressions, wrong counts included). The counts are trusted: nothing here is
-read on the host.
+Each returns the tensors the torch expressions in its docstring give, for any counts whose running
+sums fit int64 (the tests hold them to those expressions, wrong counts included), of any stride
+(read through a contiguous copy where they are not contiguous). The counts are trusted: nothing
+here is read on the host.
 
 Public: ``edges``, ``segments``, ``tiles``, ``column_edges``.
 """
@@ -68,14 +69,14 @@ def edges(counts: torch.Tensor, total: int) -> torch.Tensor:
 
         ends = counts.clamp_min(0).cumsum(0).clamp_max(total); starts = [0, ends[:-1]]"""
     out = torch.empty(2, counts.numel(), dtype=torch.int64, device=counts.device)
-    _edges_kernel[(1,)](counts, out, counts.numel(), total, SEGMENTS=False, BG=_lanes(counts.numel()))
+    _edges_kernel[(1,)](counts.contiguous(), out, counts.numel(), total, SEGMENTS=False, BG=_lanes(counts.numel()))
     return out
 
 
 def segments(counts: torch.Tensor, total: int) -> torch.Tensor:
     """edges(counts, total) as int32 [2, G] (starts, ends - starts), one launch."""
     out = torch.empty(2, counts.numel(), dtype=torch.int32, device=counts.device)
-    _edges_kernel[(1,)](counts, out, counts.numel(), total, SEGMENTS=True, BG=_lanes(counts.numel()))
+    _edges_kernel[(1,)](counts.contiguous(), out, counts.numel(), total, SEGMENTS=True, BG=_lanes(counts.numel()))
     return out
 
 
@@ -121,8 +122,8 @@ def tiles(sizes: torch.Tensor, rows: int, bm: int) -> tuple[torch.Tensor, torch.
     ends = torch.empty(n_groups, dtype=torch.int32, device=sizes.device)
     lanes = _lanes(n_groups)
     per_program = max(16, min(128, 8192 // lanes))
-    _tiles_kernel[(max(1, triton.cdiv(count, per_program)),)](sizes, group, row, ends, n_groups, rows, bm, count,
-                                                               BG=lanes, BT=per_program)
+    grid = (max(1, triton.cdiv(count, per_program)),)
+    _tiles_kernel[grid](sizes.contiguous(), group, row, ends, n_groups, rows, bm, count, BG=lanes, BT=per_program)
     return group, row, ends
 
 
@@ -150,6 +151,7 @@ def column_edges(widths: torch.Tensor, rows: torch.Tensor | None = None) -> tupl
     n_groups = widths.numel()
     out = torch.empty(n_groups + 1 + (0 if rows is None else 2 * n_groups), dtype=torch.int64, device=widths.device)
     edges_, source = out[: n_groups + 1], None if rows is None else out[n_groups + 1:]
-    _column_edges_kernel[(1,)](widths, widths if rows is None else rows, edges_, out if source is None else source,
-                               n_groups, ROWS=rows is not None, BG=_lanes(n_groups))
+    widths = widths.contiguous()
+    _column_edges_kernel[(1,)](widths, widths if rows is None else rows.contiguous(), edges_,
+                               out if source is None else source, n_groups, ROWS=rows is not None, BG=_lanes(n_groups))
     return edges_, source

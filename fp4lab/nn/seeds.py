@@ -142,11 +142,13 @@ class _SpecColumns:
     def at(self, specs: list[tuple[int, int, int, int, int]], tick: int) -> np.ndarray:
         """-> int64 [len(specs)]: _values(specs, tick); ``specs`` extend (or are) those seen before."""
         if len(specs) > self.count:
-            seed, layer, rank, gemm, side = (seed_column(list(c)) for c in zip(*specs[self.count:]))
+            new = specs[self.count:]
+            seed, layer, rank, gemm, side = (seed_column(list(c)) for c in zip(*new))
             self.prefix = np.concatenate([self.prefix, seed_fold(seed_fold(seed_start(len(seed)), seed), layer)])
             self.rank, self.gemm, self.side = (np.concatenate(pair) for pair in
                                                ((self.rank, rank), (self.gemm, gemm), (self.side, side)))
-            self.ranked = np.concatenate([self.ranked, rank != 0])  # (rank 0 folds no rank, as call_at)
+            # (rank 0 folds no rank, as call_at: read before the mask, as _values reads it)
+            self.ranked = np.concatenate([self.ranked, np.array([bool(spec[2]) for spec in new], dtype=bool)])
             self.count = len(specs)
         h = seed_fold(self.prefix, np.uint64(tick & ((1 << 64) - 1)))
         h = np.where(self.ranked, seed_fold(h, self.rank), h)

@@ -76,3 +76,17 @@ def test_column_edges_are_the_running_sums_as_given(data, g, dtype, with_rows):
     else:
         r = torch.tensor(rows, dtype=torch.int64)
         assert torch.equal(source.cpu(), torch.cat([(w.cumsum(0) - w) - (r.cumsum(0) - r), r]))
+
+
+def test_counts_of_any_stride_give_the_contiguous_tables():
+    """A column of a wider tensor and an expanded one (the entry points take any 1-D counts) are
+    read as their values, not as contiguous memory."""
+    wide = _on_device([16, 999, 8, 999, 24, 999], torch.int64).view(3, 2)
+    column, flat = wide[:, 0], _on_device([16, 8, 24], torch.int64)
+    assert torch.equal(groups.edges(column, 48), groups.edges(flat, 48))
+    assert torch.equal(groups.segments(column, 48), groups.segments(flat, 48))
+    assert all(torch.equal(a, b) for a, b in zip(groups.tiles(column, 48, 16), groups.tiles(flat, 48, 16)))
+    edges, source = groups.column_edges(column, column)
+    assert torch.equal(edges, groups.column_edges(flat, flat)[0]) and torch.equal(source, groups.column_edges(flat, flat)[1])
+    same = _on_device([16], torch.int64).expand(3)
+    assert torch.equal(groups.edges(same, 48).cpu(), torch.tensor([[0, 16, 32], [16, 32, 48]]))

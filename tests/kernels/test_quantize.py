@@ -316,6 +316,22 @@ def test_device_counts_quantize_as_the_listed_live_groups(case, sizes, length, s
     assert torch.equal(listed_seeds.view(torch.int16), want.view(torch.int16))  # seeds copied over: the same draws
 
 
+@pytest.mark.parametrize("wrong,clamped", [([-5, 20, 30], [0, 20, 20]), ([10, 50, 7], [10, 30, 0]),
+                                           ([10, -3, 30], [10, 0, 30])])
+def test_wrong_device_counts_quantize_as_the_gemm_reads_them(wrong, clamped):
+    """Counts never checked on the host that are wrong (negative, past the rows) are read as the
+    grouped GEMM reads them, negatives as 0 and the ends stopped at the rows: the clamped counts'
+    bytes and the live groups' scales (x has 40 rows; an empty group's S_dec is never written, as
+    in any device-count launch), never a row outside x."""
+    from fp4lab.kernels.quantize import grouped_block_values
+    x = hard_input((40, 48), 7, torch.bfloat16).to(DEVICE)
+    seeds = [3, 5, 9]
+    got = grouped_block_values(x, formats.Format.NVFP4, torch.tensor(wrong, device=DEVICE), seeds, pad=True)
+    want = grouped_block_values(x, formats.Format.NVFP4, torch.tensor(clamped, device=DEVICE), seeds, pad=True)
+    live = [g for g, n in enumerate(clamped) if n]
+    assert torch.equal(got[0].view(torch.int16), want[0].view(torch.int16)) and torch.equal(got[1][live], want[1][live])
+
+
 @settings(max_examples=15, deadline=None)
 @given(fmt=st.sampled_from(["nvfp4", "mxfp4"]), widths=st.lists(st.integers(0, 2), min_size=1, max_size=4).filter(sum),
        cols=st.integers(1, 40), seed=st.integers(0, 1000), sr=st.booleans(),

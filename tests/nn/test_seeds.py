@@ -4,7 +4,7 @@ import importlib.util
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 from fp4lab.nn.gemms import GEMMS, QuantContext, call_at, layer_key
 from fp4lab.nn.linear import FP4Linear
@@ -133,10 +133,12 @@ def test_a_step_on_a_seed_table_reads_no_seed_on_the_host(backend, monkeypatch):
 
 @settings(max_examples=30, deadline=None)
 @given(parts=st.lists(st.tuples(st.sampled_from([0, 1234, -5, 2**63 + 3, 2**64 - 1]),
-                                st.integers(-2**63, 2**64 - 1), st.sampled_from([0, 0, 1, 7, 2**40]),
+                                st.integers(-2**63, 2**64 - 1), st.sampled_from([0, 0, 1, 7, 2**40, 2**64]),
                                 st.integers(0, 2), st.sampled_from([ord("a"), ord("b"), ord("h")])),
                       min_size=1, max_size=40, unique=True),
        ticks=st.lists(st.integers(0, 2**63 - 1), min_size=1, max_size=3), grow_at=st.integers(1, 40))
+@example(parts=[(0, 0, 0, 0, 97), (1, 0, 0, 0, 97)], ticks=[0, 1], grow_at=1)  # slots drawn after a fill
+@example(parts=[(0, 5, 2**64, 0, 97), (0, 5, 0, 0, 97)], ticks=[3], grow_at=2)  # a rank whose mask is 0
 def test_a_fill_writes_each_slots_derived_seed(parts, ticks, grow_at):
     """fill's array passes (each spec folded up to its layer once) give derive_seed(derive_seed(recipe
     seed, layer, tick[, rank]), gemm, side) for every slot (rank 0 folds none), across ticks and
