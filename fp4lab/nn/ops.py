@@ -35,10 +35,11 @@ CUDA graph around the compiled step draws each step's bits), ``clock`` the Quant
 guard on, so the compiled graph serves every step without recompiling. Each op rebuilds the Calls
 from them (gemms.call_at), so its results are bit-identical to the eager path's (tested).
 
-Differences from the eager path, costs rather than results: an MoE projection with an expert
-without rows (host sizes) quantizes dgrad's weights again in backward, expert by expert, where eager
-keeps fprop's tiles (the same values, tested in nn.gemms), and where dgrad does not multiply fprop's tiles, a dithered weight is
-dithered again in backward (the same seed). Operand
+Differences from the eager path, costs rather than results: a layer whose fprop weight tiles the
+op does not keep (gemms.keeps_w_values: for an MoE projection an expert without rows under host
+sizes, N not whole 16-row tiles, a dithered weight, or a recipe with a late switch, ``bf16_after``)
+quantizes dgrad's weights again in backward, where eager keeps fprop's (the same values, tested in
+nn.gemms), and a dithered weight is dithered again there (the same seed). Operand
 statistics (a Python side effect) are not collected here: layers with ``context.collect`` take
 the eager path.
 

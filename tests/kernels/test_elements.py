@@ -181,7 +181,9 @@ def test_a_rows_group_is_the_last_start_at_or_below_it(data, n_groups):
     total = max(1, sum(sizes))
     index = torch.tensor(data.draw(st.lists(st.integers(0, total - 1), min_size=1, max_size=64)))
     out, scalar = torch.empty(64, dtype=torch.int32, device=DEVICE), torch.empty(1, dtype=torch.int32, device=DEVICE)
-    _group_of_kernel[(1,)](index.to(DEVICE), starts.to(DEVICE), out, scalar, index.numel(), n_groups, BLOCK=64)
+    # a 0 past the G starts (a row table holds G): a search that reads start[G] finds it at or below any index
+    table = torch.cat([starts, torch.zeros(1, dtype=starts.dtype)])
+    _group_of_kernel[(1,)](index.to(DEVICE), table.to(DEVICE), out, scalar, index.numel(), n_groups, BLOCK=64)
     want = (torch.searchsorted(starts, index, right=True) - 1).int()
     assert torch.equal(out[: index.numel()].cpu(), want) and int(scalar) == int(want[0])
 

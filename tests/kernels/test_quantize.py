@@ -322,7 +322,8 @@ def test_wrong_device_counts_quantize_as_the_gemm_reads_them(wrong, clamped):
     """Counts never checked on the host that are wrong (negative, past the rows) are read as the
     grouped GEMM reads them, negatives as 0 and the ends stopped at the rows: the clamped counts'
     bytes and the live groups' scales (x has 40 rows; an empty group's S_dec is never written, as
-    in any device-count launch), never a row outside x."""
+    in any device-count launch). (The starts are groups.edges', whose clamping test_groups holds
+    to torch's; this holds the quantize to reading them.)"""
     from fp4lab.kernels.quantize import grouped_block_values
     x = hard_input((40, 48), 7, torch.bfloat16).to(DEVICE)
     seeds = [3, 5, 9]

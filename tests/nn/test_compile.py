@@ -155,11 +155,11 @@ def test_the_forward_ops_outputs_are_what_its_fake_says(recipe_name, keeps, n, k
     assert [t.numel() for t in torch.ops.fp4lab.gemms(*no_grads)[1:]] == [0, 0, 0, 0]
 
 
-@pytest.mark.parametrize("case", ["sizes", "an_empty_expert", "counts", "n_40"])
+@pytest.mark.parametrize("case", ["sizes", "an_empty_expert", "counts", "n_40", "dithered"])
 def test_the_grouped_forward_ops_weight_tiles_are_what_its_fake_says(case, monkeypatch):
     """A grouped call keeps every expert's fprop weight tiles (one launch's GroupedValues: [G N, K
     padded], a tensor scale per expert) where every expert has rows (device counts, or host sizes
-    without a 0) and N is whole 16-row tiles; the fake plans the same shapes."""
+    without a 0), N is whole 16-row tiles and the weight undithered; the fake plans the same shapes."""
     from fp4lab.nn.ops import recipe_index
     n = 40 if case == "n_40" else 48
     sizes = [16, 0, 24] if case == "an_empty_expert" else [16, 8, 16]
@@ -173,7 +173,8 @@ def test_the_grouped_forward_ops_weight_tiles_are_what_its_fake_says(case, monke
             pytest.skip("needs triton (TRITON_INTERPRET=1 on a CPU)")
         monkeypatch.setenv("FP4LAB_BACKEND", "triton")
         counts, sizes, context.seeds = torch.tensor(sizes), [], SeedTable("cpu", capacity=16)
-    recipe = preset("nvfp4").override({"keep_first": 0, "keep_last": 0})
+    dither = {"fprop.b.dither": 0.5, "dgrad.b.dither": 0.5} if case == "dithered" else {}
+    recipe = preset("nvfp4").override({"keep_first": 0, "keep_last": 0, **dither})
     seeds = -1 if context.seeds is None else context.seeds.index
     args = (x, w, None, sizes, counts, layers, recipe_index(recipe), context.clock, 0, seeds, True, True, True)
     torch.library.opcheck(torch.ops.fp4lab.gemms.default, args, test_utils=("test_schema", "test_faketensor"))
