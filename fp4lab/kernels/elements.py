@@ -273,8 +273,9 @@ def group_of(index, start_ptr, n_groups):
     """index: int tensor or scalar -> int32 of its shape: the g with start_ptr[g] <= index <
     start_ptr[g + 1] (starts ascending from start_ptr[0] <= index; of equal starts, the last: the
     empty groups before it hold nothing). A binary search, ceil(log2 G) loads: the linear scan it
-    replaces ran G - 1 iterations of every thread of every grouped launch, a fifth to a third of
-    a 64-expert rows or columns copy's instructions a thread (benchmarks/grouped_instructions.py). Starts out of order (counts never checked on the host) still give a group in range."""
+    replaces ran G - 1 iterations of every thread of every grouped launch, a sixth to a third of
+    a 64-expert grouped copy's instructions a thread (benchmarks/grouped_instructions.py). Starts
+    out of order (counts never checked on the host) still give a group in range."""
     group = (index * 0).to(tl.int32)
     span = 1
     while span < n_groups:
