@@ -68,15 +68,14 @@ def profile_run(arm: str, mode: str, args) -> tuple[str, dict[str, tuple[float, 
         torch.cuda.synchronize()
     wall = (time.perf_counter() - start) / args.steps * 1e3
     events = prof.key_averages()
-    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
     # kernels only: an operator's own device time repeats its kernels' (the 2026-11-25 files counted both)
-    gpu_us = sum(e.self_device_time_total for e in kernels) / args.steps
-    launches = sum(e.count for e in kernels) / args.steps
+    totals = kernel_totals(events, args.steps)
+    gpu_us, launches = (sum(column) for column in zip((0.0, 0.0), *totals.values()))
     head = (f"== {args.model} {arm} {mode}: wall {wall:.1f} ms/step (profiled), GPU busy {gpu_us / 1e3:.1f} ms/step, "
             f"{launches:.0f} kernels/step")
     by_gpu = events.table(sort_by="self_device_time_total", row_limit=args.rows, max_name_column_width=args.name_width)
     by_cpu = events.table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=args.name_width)
-    return f"{head}\n-- by own CUDA time\n{by_gpu}\n-- by own CPU time\n{by_cpu}\n", kernel_totals(events, args.steps)
+    return f"{head}\n-- by own CUDA time\n{by_gpu}\n-- by own CPU time\n{by_cpu}\n", totals
 
 
 def host_run(arm: str, mode: str, args) -> str:

@@ -68,15 +68,17 @@ def edges(counts: torch.Tensor, total: int) -> torch.Tensor:
     """counts: [G] int32/int64 on the device -> [2, G] int64 (starts, ends), one launch:
 
         ends = counts.clamp_min(0).cumsum(0).clamp_max(total); starts = [0, ends[:-1]]"""
-    out = torch.empty(2, counts.numel(), dtype=torch.int64, device=counts.device)
-    _edges_kernel[(1,)](counts.contiguous(), out, counts.numel(), total, SEGMENTS=False, BG=_lanes(counts.numel()))
-    return out
+    return _edges(counts, total, segments=False)
 
 
 def segments(counts: torch.Tensor, total: int) -> torch.Tensor:
     """edges(counts, total) as int32 [2, G] (starts, ends - starts), one launch."""
-    out = torch.empty(2, counts.numel(), dtype=torch.int32, device=counts.device)
-    _edges_kernel[(1,)](counts.contiguous(), out, counts.numel(), total, SEGMENTS=True, BG=_lanes(counts.numel()))
+    return _edges(counts, total, segments=True)
+
+
+def _edges(counts: torch.Tensor, total: int, *, segments: bool) -> torch.Tensor:
+    out = torch.empty(2, counts.numel(), dtype=torch.int32 if segments else torch.int64, device=counts.device)
+    _edges_kernel[(1,)](counts.contiguous(), out, counts.numel(), total, SEGMENTS=segments, BG=_lanes(counts.numel()))
     return out
 
 

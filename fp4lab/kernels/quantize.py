@@ -1116,12 +1116,10 @@ def grouped_column_block_values(x: torch.Tensor, fmt: Format, widths: list[int] 
     x = x.contiguous()
     g = len(widths)
     h_seeds = [0] * g if hadamard_seeds is None else hadamard_seeds
-    src = None
     if on_device or isinstance(seeds, torch.Tensor) or isinstance(h_seeds, torch.Tensor):
         # device counts or seeds (a SeedTable's slots): kept there, the edges made (one launch) or copied once
         if on_device:
             edges, source = groups.column_edges(widths, rows)
-            src = None if rows is None else (source, padded)
         else:
             edges = torch.tensor([0, *itertools.accumulate(widths)], dtype=torch.int64).to(x.device, non_blocking=True)
         grouped = (edges, _group_seeds(seeds, rounding is Rounding.STOCHASTIC, edges),
@@ -1133,8 +1131,7 @@ def grouped_column_block_values(x: torch.Tensor, fmt: Format, widths: list[int] 
                           torch.tensor([_seed(rounding, s) for s in seeds] + h_seeds, dtype=torch.int64)]
                          ).to(x.device, non_blocking=True)  # no stream sync, as matmul's tile lists
         grouped = (meta[: g + 1], meta[g + 1: 2 * g + 1], meta[2 * g + 1:], g)
-    if rows is not None and src is None:
-        src = (_source_groups(widths, rows, x.device), padded)
+    src = None if rows is None else (source if on_device else _source_groups(widths, rows, x.device), padded)
     rotation = NO_ROTATION.value if signs is None else HADAMARD_RULES[signs]
     stochastic = rounding is Rounding.STOCHASTIC
     if fmt is Format.NVFP4:

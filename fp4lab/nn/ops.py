@@ -259,7 +259,8 @@ def _(x, weight, bias, sizes, counts, layers, recipe, clock, rank, seeds, groupe
         return x.new_empty((), dtype=torch.float32) if spec.format.spec.tensor_scale else x.new_empty(
             0, dtype=torch.float32)
     w_out = _none_kept(x)
-    if keeps_w_values(r, grouped, keep_w, every_group_live=counts is not None or all(sizes), n=weight.shape[-2]):
+    live = _every_group_live(_sizes_or_counts(sizes, counts))
+    if keeps_w_values(r, grouped, keep_w, every_group_live=live, n=weight.shape[-2]):
         w_scale = scale(r.fprop.b)
         if grouped and w_scale.dim() == 0:  # (one per expert)
             w_scale = x.new_empty(weight.shape[0], dtype=torch.float32)

@@ -69,7 +69,7 @@ def derive_seeds(first: Sequence[int], *parts: int | Sequence[int]) -> list[int]
     all elements at once (an MoE projection's experts, a step's seed table: one pass of array
     arithmetic instead of a Python fold per element; numpy's uint64 arithmetic wraps as the masks
     above do)."""
-    h = np.full(len(first), _START, dtype=np.uint64)
+    h = seed_start(len(first))
     for part in (first, *parts):
         h = seed_fold(h, seed_column(part))
     return (h >> np.uint64(1)).tolist()
