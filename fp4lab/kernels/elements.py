@@ -277,14 +277,15 @@ def group_of(index, start_ptr, n_groups):
     a 64-expert grouped copy's instructions a thread (benchmarks/grouped_instructions.py). Starts
     out of order (counts never checked on the host) still give a group in range."""
     group = (index * 0).to(tl.int32)
-    span = 1
-    while span < n_groups:
-        span *= 2
-    span = span // 2
-    while span > 0:  # (the largest g whose start is at or below index, a bit at a time)
-        probe = group + span
-        inside = probe < n_groups
-        start = tl.load(start_ptr + tl.where(inside, probe, 0))
-        group = tl.where(inside & (index >= start), probe, group)
+    if n_groups > 1:  # (G = 1 arrives as a constexpr: Triton 3.6 fails compiling the search for it)
+        span = 1
+        while span < n_groups:
+            span *= 2
         span = span // 2
+        while span > 0:  # (the largest g whose start is at or below index, a bit at a time)
+            probe = group + span
+            inside = probe < n_groups
+            start = tl.load(start_ptr + tl.where(inside, probe, 0))
+            group = tl.where(inside & (index >= start), probe, group)
+            span = span // 2
     return group

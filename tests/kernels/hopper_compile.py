@@ -9,6 +9,12 @@ frontend, its MLIR passes, LLVM and ptxas all run on the CPU. Run without TRITON
 
     python tests/kernels/hopper_compile.py [--list]
 Prints one line per launch and exits 1 if any fails to compile.
+
+Launches are recorded as Triton specializes them (an int argument equal to 1 becomes a
+constexpr): a one-expert grouped quantize compiled on Triton 3.9 but failed on 3.6, the device
+machine's version, which this catches with that version's wheel put first on the path:
+    pip install --no-deps --target /tmp/t36 triton==3.6.0
+    PYTHONPATH=/tmp/t36 python tests/kernels/hopper_compile.py
 """
 from __future__ import annotations
 
@@ -44,8 +50,10 @@ class Recorder:
             if fn.params[i].is_constexpr:
                 types[name] = "constexpr"
                 constexprs[(i,)] = value.value if isinstance(value, triton.language.constexpr) else value
-            else:
-                types[name] = mangle_type(value)
+            else:  # an int equal to 1 is compiled as a constexpr, as the launch itself specializes it
+                types[name] = mangle_type(value, specialize=not fn.params[i].do_not_specialize)
+                if types[name] == "constexpr":
+                    constexprs[(i,)] = value
         key = (fn.__name__, tuple(types.items()), tuple(sorted(constexprs.items())), tuple(sorted(options.items())))
         self.launches.setdefault(key, (fn, types, constexprs, options))
 
@@ -80,6 +88,9 @@ def exercise() -> None:
                        (Format.NVFP4, dict(profile="four_over_six", block=(16, 16))), (Format.MXFP4, dict(mode="floor"))):
         for rounding in ("rtne", "stochastic"):  # every MoE expert's rows in one launch
             launch_only(quantize.grouped_block_values, x, fmt, [16, 48], [1, 2], rounding=rounding, **knobs)
+    # one group: Triton specializes G = 1 to a constexpr (Triton 3.6 failed compiling group_of's search for it)
+    launch_only(quantize.grouped_block_values, x, Format.NVFP4, [64], [1], rounding="stochastic")
+    launch_only(quantize.grouped_column_block_values, x, Format.NVFP4, [64], [1], hadamard="random", hadamard_seeds=[3])
     for fmt, knobs in ((Format.NVFP4, dict(hadamard="random", rounding="stochastic")), (Format.NVFP4, {}),
                        (Format.MXFP4, dict(hadamard="random"))):  # wgrad's operands, every expert at once
         launch_only(quantize.grouped_column_block_values, x, fmt, [32, 32], [1, 2], hadamard_seeds=[3, 4], **knobs)
@@ -96,12 +107,15 @@ def exercise() -> None:
             (Format.MXFP4, dict(mode="floor"), dict(mode="floor", hadamard="none"))):
         launch_only(quantize.block_values_pair, x, fmt, rows=rows, columns=columns, columns_len=64)
     launch_only(amax.finite_amax, x)
+    for starts in ([0, 40], [0]):  # (every expert's amax in one launch; one group)
+        launch_only(amax.grouped_finite_amax, x, torch.tensor(starts))
     launch_only(_decode_and_gemm, x, decode, gemm)
     a, b = torch.randn(64, 64, generator=g).bfloat16(), torch.randn(64, 64, generator=g).bfloat16()
     launch_only(matmul.scaled_mm, a, b, torch.ones(()), out_dtype=torch.bfloat16)
     launch_only(matmul.grouped_scaled_mm, a, torch.stack([b, b]), [32, 32], torch.ones(2), out_dtype=torch.float32)
     # the routing's counts kept on the device (a captured step): the tile list made by a kernel
     launch_only(matmul.grouped_scaled_mm, a, torch.stack([b, b]), torch.tensor([32, 32]), torch.ones(2))
+    launch_only(matmul.grouped_scaled_mm, a, b[None], torch.tensor([64]), torch.ones(1))
     for dtype in (torch.float32, torch.bfloat16):  # every expert's wgrad, each over its own tokens
         launch_only(matmul.contraction_grouped_mm, a, b, [32, 0, 32], torch.ones(3), out_dtype=dtype)
     launch_only(matmul.contraction_grouped_mm, a, b, torch.tensor([32, 0, 32]), torch.ones(3), width_multiple=32)

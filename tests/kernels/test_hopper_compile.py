@@ -20,8 +20,10 @@ def test_every_launch_compiles_for_sm90(tmp_path):
     script = Path(__file__).with_name("hopper_compile.py")
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
-    assert "0 failed" in done.stdout and "_fp4_quantize_kernel {'SCALE_RULE': 2" in done.stdout
+    assert "0 failed" in done.stdout and "'stride_c': 1, 'SCALE_RULE': 2" in done.stdout
     assert "_fp4_pair_kernel {'RULE_R': 0, 'RULE_C': 0, 'BLOCK': 16" in done.stdout  # a linear's two copies
+    # launches as Triton specializes them: one group's G = 1 compiled as a constexpr
+    assert "_grouped_amax_kernel {'n_groups': 1," in done.stdout
 
 
 def test_the_pair_instruction_count_compiles_both_passes_and_finds_the_amax_loop():

@@ -163,16 +163,18 @@ def test_the_grouped_forward_ops_weight_tiles_are_what_its_fake_says(case, monke
     from fp4lab.nn.ops import recipe_index
     n = 40 if case == "n_40" else 48
     sizes = [16, 0, 24] if case == "an_empty_expert" else [16, 8, 16]
+    # device counts take the Triton path: on CUDA tensors where a GPU is present, interpreted otherwise
+    dev = "cuda" if case == "counts" and torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(0)
-    x, w = torch.randn(sum(sizes), 64, generator=g), torch.randn(3, n, 64, generator=g)
-    layers = torch.tensor([layer_key(f"e.{e}") for e in range(3)])
+    x, w = (torch.randn(sum(sizes), 64, generator=g).to(dev), torch.randn(3, n, 64, generator=g).to(dev))
+    layers = torch.tensor([layer_key(f"e.{e}") for e in range(3)])  # (the ops take keys on the CPU)
     context = QuantContext()
     counts = None
-    if case == "counts":  # (device counts: the Triton path, interpreted here, with seeds in a table)
+    if case == "counts":  # (with seeds in a table)
         if importlib.util.find_spec("triton") is None:
             pytest.skip("needs triton (TRITON_INTERPRET=1 on a CPU)")
         monkeypatch.setenv("FP4LAB_BACKEND", "triton")
-        counts, sizes, context.seeds = torch.tensor(sizes), [], SeedTable("cpu", capacity=16)
+        counts, sizes, context.seeds = torch.tensor(sizes, device=dev), [], SeedTable(dev, capacity=16)
     dither = {"fprop.b.dither": 0.5, "dgrad.b.dither": 0.5} if case == "dithered" else {}
     recipe = preset("nvfp4").override({"keep_first": 0, "keep_last": 0, **dither})
     seeds = -1 if context.seeds is None else context.seeds.index
