@@ -99,7 +99,7 @@ def main() -> None:
     search = _group_of_lines()
     steps = max(1, math.ceil(math.log2(args.experts)))
     results = {}
-    for fn, types, constexprs, options in launches(args.experts).values():
+    for fn, types, constexprs, options, _ in launches(args.experts).values():
         if fn.__name__ not in ("_fp4_quantize_kernel", "_grouped_amax_kernel"):
             continue  # (the small table launches of kernels.groups)
         named = {fn.arg_names[i[0]]: v for i, v in constexprs.items()}

@@ -80,7 +80,7 @@ def count(tensor: str) -> dict[str, dict]:
     launches = hopper_compile.record(lambda: hopper_compile.launch_only(
         quantize.block_values_pair, x, Format.NVFP4, rows=rows, columns=columns, columns_len=256))
     out = {}
-    for fn, types, constexprs, options in launches.values():
+    for fn, types, constexprs, options, _ in launches.values():
         named = {fn.arg_names[i[0]]: v for i, v in constexprs.items()}
         attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
                  if types[name] != "constexpr" and (types[name].startswith("*") or name in SIZES)}

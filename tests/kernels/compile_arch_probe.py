@@ -55,7 +55,7 @@ def dy_pair_copies_launch() -> tuple:
     launches = hopper_compile.record(lambda: hopper_compile.launch_only(
         quantize.block_values_pair, torch.randn(64, 64, dtype=torch.bfloat16), Format.NVFP4, rows=sr,
         columns=dict(sr, hadamard="te"), columns_len=64))
-    for fn, types, constexprs, options in launches.values():
+    for fn, types, constexprs, options, _ in launches.values():
         if not constexprs[(fn.arg_names.index("AMAX_ONLY"),)]:
             return fn, types, constexprs, options
     raise SystemExit("the pair made no copies launch")

@@ -29,14 +29,19 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
-from triton.runtime.jit import JITFunction, mangle_type  # noqa: E402
+from triton._C.libtriton import native_specialize_impl  # noqa: E402
+from triton.backends.nvidia.compiler import CUDABackend  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
 OPTIONS = ("num_warps", "num_stages", "num_ctas", "enable_fp_fusion", "maxnreg")
 
 
 class Recorder:
-    """Stands in for JITFunction.run: keeps (kernel, argument types, constexprs, options), launches nothing."""
+    """Stands in for JITFunction.run: keeps (kernel, argument types, constexprs, options, attributes),
+    launches nothing. Arguments are specialized as Triton's launch specializes them: an int equal
+    to 1 becomes a constexpr, and a pointer or int divisible by 16 is compiled with that
+    divisibility (what vectorizes a kernel's loads and stores)."""
 
     def __init__(self):
         self.launches: dict[tuple, tuple] = {}
@@ -45,17 +50,23 @@ class Recorder:
         options = {k: kwargs.pop(k) for k in OPTIONS if k in kwargs}
         bound = fn.signature.bind(*args, **kwargs)
         bound.apply_defaults()
-        types, constexprs = {}, {}
+        types, constexprs, attrs = {}, {}, {}
         for i, (name, value) in enumerate(bound.arguments.items()):
-            if fn.params[i].is_constexpr:
+            param = fn.params[i]
+            if param.is_constexpr:
                 types[name] = "constexpr"
                 constexprs[(i,)] = value.value if isinstance(value, triton.language.constexpr) else value
-            else:  # an int equal to 1 is compiled as a constexpr, as the launch itself specializes it
-                types[name] = mangle_type(value, specialize=not fn.params[i].do_not_specialize)
-                if types[name] == "constexpr":
-                    constexprs[(i,)] = value
-        key = (fn.__name__, tuple(types.items()), tuple(sorted(constexprs.items())), tuple(sorted(options.items())))
-        self.launches.setdefault(key, (fn, types, constexprs, options))
+                continue
+            kind, key = native_specialize_impl(CUDABackend, value, param.is_const, not param.do_not_specialize,
+                                               not param.do_not_specialize_on_alignment)
+            types[name] = kind
+            if kind == "constexpr":
+                constexprs[(i,)] = value
+            elif isinstance(key, str) and CUDABackend.parse_attr(key):
+                attrs[(i,)] = CUDABackend.parse_attr(key)
+        key = (fn.__name__, tuple(types.items()), tuple(sorted(constexprs.items())), tuple(sorted(options.items())),
+               tuple(sorted((k, str(v)) for k, v in attrs.items())))
+        self.launches.setdefault(key, (fn, types, constexprs, options, attrs))
 
 
 def exercise() -> None:
@@ -141,7 +152,7 @@ def launch_only(fn, *args, **kwargs) -> None:
 
 def record(work) -> dict:
     """Runs ``work()`` with Triton's launch replaced by a Recorder -> the launches it made (its
-    ``launches``: kernel, argument types, constexprs, options)."""
+    ``launches``: kernel, argument types, constexprs, options, attributes)."""
     recorder, real_run = Recorder(), JITFunction.run
     JITFunction.run = lambda fn, *a, **k: recorder(fn, *a, **k)
     try:
@@ -154,14 +165,15 @@ def record(work) -> dict:
 def main() -> int:
     launches = record(exercise)
     if "--list" in sys.argv:
-        for fn, types, constexprs, options in launches.values():
-            print(fn.__name__, types, constexprs, options)
+        for fn, types, constexprs, options, attrs in launches.values():
+            print(fn.__name__, types, constexprs, options, sorted(attrs))
     failed = 0
-    for fn, types, constexprs, options in launches.values():
+    for fn, types, constexprs, options, attrs in launches.values():
         consts = {fn.arg_names[i[0]]: v for i, v in constexprs.items()}
         start = time.perf_counter()
         try:
-            triton.compile(ASTSource(fn=fn, signature=types, constexprs=constexprs), target=HOPPER, options=options)
+            triton.compile(ASTSource(fn=fn, signature=types, constexprs=constexprs, attrs=attrs), target=HOPPER,
+                           options=options)
             print(f"ok     {time.perf_counter() - start:5.1f} s  {fn.__name__} {consts}")
         except Exception as e:  # noqa: BLE001
             failed += 1
