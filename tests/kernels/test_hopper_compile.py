@@ -22,8 +22,45 @@ def test_every_launch_compiles_for_sm90(tmp_path):
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
     assert "0 failed" in done.stdout and "'stride_c': 1, 'SCALE_RULE': 2" in done.stdout
     assert "_fp4_pair_kernel {'RULE_R': 0, 'RULE_C': 0, 'BLOCK': 16" in done.stdout  # a linear's two copies
-    # launches as Triton specializes them: one group's G = 1 compiled as a constexpr
-    assert "_grouped_amax_kernel {'n_groups': 1," in done.stdout
+    # launches as Triton specializes them: one group's G = 1 compiled as a constexpr, in the per-expert
+    # amax and in the rows quantize (the two launches Triton 3.6 failed to compile with a search in them)
+    lines = done.stdout.splitlines()
+    assert any(line.startswith("ok") and "_grouped_amax_kernel {'n_groups': 1," in line for line in lines)
+    assert any(line.startswith("ok") and "_fp4_quantize_kernel" in line and "'n_groups': 1," in line
+               and "'GROUPED': 1," in line for line in lines)
+
+
+_ONE_GROUP = """
+import triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from fp4lab.kernels.elements import group_of
+
+@triton.jit
+def probe(index_ptr, start_ptr, out_ptr, n_groups):
+    offs = tl.arange(0, 64)
+    tl.store(out_ptr + offs, group_of(tl.load(index_ptr + offs), start_ptr, n_groups))
+
+signature = {"index_ptr": "*i64", "start_ptr": "*i64", "out_ptr": "*i32", "n_groups": "constexpr"}
+for n_groups in (1, 2):
+    source = ASTSource(probe, signature, {(3,): n_groups})
+    ttir = triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ttir"]
+    print(n_groups, "scf.while" in ttir, ttir.count("tt.load"))
+"""
+
+
+def test_one_group_compiles_no_search(tmp_path):
+    """group_of with G = 1 (as Triton specializes it: a constexpr) compiles to no search at all, on
+    any Triton version: the search's loops over a masked vector load, with G = 1, crashed Triton
+    3.6's coalescing pass (3.9 compiles them), so they must not be there for a one-expert launch."""
+    script = tmp_path / "one_group.py"  # (a @triton.jit function must live in a file)
+    script.write_text(_ONE_GROUP)
+    done = subprocess.run([sys.executable, str(script)], env=subprocess_env(interpret=False, TRITON_CACHE_DIR=str(tmp_path)),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    one, two = (line.split() for line in done.stdout.splitlines()[:2])
+    assert one[:2] == ["1", "False"], done.stdout  # (G = 1: group 0 for every index, nothing loaded)
+    assert two[:2] == ["2", "True"] and int(two[2]) > 1, done.stdout  # (the search, where there is one)
 
 
 def test_the_pair_instruction_count_compiles_both_passes_and_finds_the_amax_loop():
