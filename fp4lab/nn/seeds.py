@@ -30,7 +30,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ..kernels.host import tracing
-from .quant import derive_seeds, seed_column, seed_fold, seed_start
+from .quant import seed_column, seed_fold, seed_start
 
 
 _TABLES: list["SeedTable"] = []  # every table of this process, by ``index`` (how the custom ops name one)
@@ -80,7 +80,7 @@ class SeedTable:
         i = self._index[spec] = len(self.specs)
         self.specs.append(spec)
         with _disable_current_modes() if traced else contextlib.nullcontext():  # (written now, not traced)
-            self.values[i] = _values([spec], self.tick)[0]
+            self.values[i] = int(self._columns.at(self.specs, self.tick, start=i)[0])
         return i
 
     def seeds(self, specs: list[tuple[int, int, int, int, int]]) -> torch.Tensor:
@@ -139,34 +139,22 @@ class _SpecColumns:
         self.prefix, self.rank, self.gemm, self.side = (np.empty(0, dtype=np.uint64) for _ in range(4))
         self.ranked = np.empty(0, dtype=bool)
 
-    def at(self, specs: list[tuple[int, int, int, int, int]], tick: int) -> np.ndarray:
-        """-> int64 [len(specs)]: _values(specs, tick); ``specs`` extend (or are) those seen before."""
+    def at(self, specs: list[tuple[int, int, int, int, int]], tick: int, start: int = 0) -> np.ndarray:
+        """-> int64 [len(specs) - start]: the values at ``tick`` of specs[start:], each
+        derive_seed(derive_seed(recipe seed, layer, tick[, rank]), gemm, side) (rank 0 folds no
+        rank, as nn.gemms.call_at); ``specs`` extend (or are) those seen before."""
         if len(specs) > self.count:
             new = specs[self.count:]
             seed, layer, rank, gemm, side = (seed_column(list(c)) for c in zip(*new))
             self.prefix = np.concatenate([self.prefix, seed_fold(seed_fold(seed_start(len(seed)), seed), layer)])
             self.rank, self.gemm, self.side = (np.concatenate(pair) for pair in
                                                ((self.rank, rank), (self.gemm, gemm), (self.side, side)))
-            # (rank 0 folds no rank, as call_at: read before the mask, as _values reads it)
+            # (rank 0 folds no rank, as call_at: read before the mask)
             self.ranked = np.concatenate([self.ranked, np.array([bool(spec[2]) for spec in new], dtype=bool)])
             self.count = len(specs)
-        h = seed_fold(self.prefix, np.uint64(tick & ((1 << 64) - 1)))
-        h = np.where(self.ranked, seed_fold(h, self.rank), h)
+        rows = slice(start, len(specs))
+        h = seed_fold(self.prefix[rows], np.uint64(tick & ((1 << 64) - 1)))
+        h = np.where(self.ranked[rows], seed_fold(h, self.rank[rows]), h)
         roots = h >> np.uint64(1)
-        h = seed_fold(seed_fold(seed_fold(seed_start(len(roots)), roots), self.gemm), self.side)
-        return (h >> np.uint64(1)).astype(np.int64)[: len(specs)]
-
-
-def _values(specs: list[tuple[int, int, int, int, int]], tick: int) -> list[int]:
-    """derive_seed(derive_seed(recipe seed, layer, tick[, rank]), gemm, side) for every spec, in
-    array passes (rank 0 folds no rank, as nn.gemms.call_at)."""
-    out = [0] * len(specs)
-    for with_rank in (False, True):
-        picked = [i for i, spec in enumerate(specs) if bool(spec[2]) == with_rank]
-        if not picked:
-            continue
-        seed, layer, rank, gemm, side = (list(column) for column in zip(*(specs[i] for i in picked)))
-        roots = derive_seeds(seed, layer, tick, *([rank] if with_rank else []))
-        for i, value in zip(picked, derive_seeds(roots, gemm, side)):
-            out[i] = value
-    return out
+        h = seed_fold(seed_fold(seed_fold(seed_start(len(roots)), roots), self.gemm[rows]), self.side[rows])
+        return (h >> np.uint64(1)).astype(np.int64)

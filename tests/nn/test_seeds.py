@@ -142,11 +142,14 @@ def test_a_step_on_a_seed_table_reads_no_seed_on_the_host(backend, monkeypatch):
 def test_a_fill_writes_each_slots_derived_seed(parts, ticks, grow_at):
     """fill's array passes (each spec folded up to its layer once) give derive_seed(derive_seed(recipe
     seed, layer, tick[, rank]), gemm, side) for every slot (rank 0 folds none), across ticks and
-    with slots drawn between fills; parts past int64 and negative read as derive_seed's mask reads
-    them."""
+    with slots drawn between fills (each at the table's tick when drawn); parts past int64 and
+    negative read as derive_seed's mask reads them."""
     table = SeedTable("cpu", capacity=4)
     for i, spec in enumerate(parts):
-        table.slot(*spec)
+        s, layer, rank, gemm, side = spec  # a slot drawn between fills holds its value at the table's tick
+        at = table.slot(*spec)  # (first: drawing may grow the buffer)
+        assert int(table.values[at]) == derive_seed(derive_seed(s, layer, table.tick, *([rank] if rank else [])),
+                                                    gemm, side)
         if i + 1 == grow_at or i + 1 == len(parts):
             for tick in ticks:
                 table.fill(tick)
