@@ -1,6 +1,6 @@
 """Quantize and dequantize throughput on the GPU, as a fraction of the device's copy bandwidth.
 
-    python benchmarks/bench_quantize.py [--rows 8192 --cols 4096]
+    python benchmarks/bench_quantize.py [--rows 8192 --cols 4096] [--cases NAME ...]
 
 Bytes counted per element (bf16 input): NVFP4 2 read + 0.5 codes + 1/16 scales = 2.5625 (the
 amax pass reads the input once more, but the figure keeps the ideal single-pass byte count, so a
@@ -9,19 +9,22 @@ ratio below 1 also shows what the extra pass costs); MXFP4 2 + 0.5 + 1/32; the b
 side by side with a torch.compile'd build of the fp4lab.formats reference, "what a user would
 write", and a device copy. Each case is timed twice: replayed from a CUDA graph (device time,
 the figure the ratios use) and eagerly from Python (what launch overhead adds at this size). Writes benchmarks/results/quantize.json and the quant_* keys of
-latest.json.
+latest.json. ``--cases`` times only the cases named (e.g. the step table's nvfp4_rtne,
+nvfp4_rtne_amax_given and nvfp4_rht_sr, in seconds where all take minutes) and keeps the file's
+other cases where it holds the same commit's run of the same shape on the same device.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import bench_ms, copy_bandwidth_gbs, environment, graph_ms, save  # noqa: E402
+from benchmarks.common import RESULTS, bench_ms, copy_bandwidth_gbs, environment, graph_ms, save  # noqa: E402
 from fp4lab import formats, kernels  # noqa: E402
 from fp4lab.kernels.amax import finite_amax  # noqa: E402
 
@@ -30,6 +33,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", type=int, default=8192)
     parser.add_argument("--cols", type=int, default=4096)
+    parser.add_argument("--cases", nargs="*", help="only these cases (default: every one)")
     args = parser.parse_args()
     x = torch.randn(args.rows, args.cols, device="cuda", dtype=torch.bfloat16)
     n = x.numel()
@@ -73,12 +77,18 @@ def main() -> None:
             x, "nvfp4", rows=r, columns=c, columns_len=x.shape[0], **tri), n * 6)
     q = kernels.quantize_nvfp4(x, **tri)
     cases["nvfp4_dequantize_bf16"] = (lambda: kernels.dequantize(q, torch.bfloat16, **tri), n * (0.5 + 1 / 16 + 2))
-    try:
-        compiled = torch.compile(formats.quantize_nvfp4)
-        compiled(x)
-        cases["nvfp4_rtne_torch_compile_reference"] = (lambda: compiled(x), nv_bytes)
-    except Exception as exc:  # report, do not hide: the baseline row says why it is missing
-        print(f"torch.compile baseline failed: {type(exc).__name__}: {exc}"[:300])
+    if not args.cases or "nvfp4_rtne_torch_compile_reference" in args.cases:
+        try:
+            compiled = torch.compile(formats.quantize_nvfp4)
+            compiled(x)
+            cases["nvfp4_rtne_torch_compile_reference"] = (lambda: compiled(x), nv_bytes)
+        except Exception as exc:  # report, do not hide: the baseline row says why it is missing
+            print(f"torch.compile baseline failed: {type(exc).__name__}: {exc}"[:300])
+    if args.cases:
+        unknown = sorted(set(args.cases) - set(cases) - {"nvfp4_rtne_torch_compile_reference"})
+        if unknown:
+            sys.exit(f"no such case: {', '.join(unknown)} (cases: {', '.join(cases)})")
+        cases = {name: case for name, case in cases.items() if name in args.cases}
 
     rows = {}
     for name, (fn, nbytes) in cases.items():
@@ -91,21 +101,25 @@ def main() -> None:
         rows[name] = {"ms": ms, "eager_ms": eager, "gbs": nbytes / ms / 1e6, "over_copy": nbytes / ms / 1e6 / copy}
     payload = {**environment(), "shape": [args.rows, args.cols], "dtype": "bfloat16",
                "copy_gbs": copy, "cases": rows}
+    old = json.loads((RESULTS / "quantize.json").read_text()) if (RESULTS / "quantize.json").exists() else {}
+    if args.cases and payload["git"] != "unknown" and all(old.get(k) == payload[k] for k in ("git", "device", "shape")):
+        rows = payload["cases"] = {**old.get("cases", {}), **rows}  # (the same run's other cases kept)
     print(f"{payload['device']}  torch {payload['torch']}  triton {payload['triton']}")
     print(f"copy bandwidth (read + write): {copy:.0f} GB/s; x: {args.rows}x{args.cols} bf16")
     print(f"{'case':40s} {'ms':>8s} {'GB/s':>8s} {'/copy':>6s} {'eager ms':>9s}")
     for name, r in rows.items():
         print(f"{name:40s} {r['ms']:8.3f} {r['gbs']:8.0f} {r['over_copy']:6.2f} {r['eager_ms']:9.3f}")
-    pair = {t: rows[f"nvfp4_{t}_pair"]["ms"] / rows[f"nvfp4_{t}_two_copies"]["ms"] for t in pair_cases}
-    print("a linear's two copies from one read, time over one copy at a time: "
-          + ", ".join(f"{t} {r:.2f}x" for t, r in pair.items()))
-    payload["pair_over_two_copies"] = pair
-    latest = {"quant_pair_x_over_two_copies": pair["x"], "quant_pair_dy_over_two_copies": pair["dy"],
-              "quant_nvfp4_over_copy": rows["nvfp4_rtne"]["over_copy"],
-              "quant_nvfp4_amax_given_over_copy": rows["nvfp4_rtne_amax_given"]["over_copy"],
-              "quant_rht_sr_over_copy": rows["nvfp4_rht_sr"]["over_copy"],
-              "quant_rht_sr_amax_given_over_copy": rows["nvfp4_rht_sr_amax_given"]["over_copy"],
-              "quant_mxfp4_over_copy": rows["mxfp4_floor"]["over_copy"]}
+    pair = {t: rows[f"nvfp4_{t}_pair"]["ms"] / rows[f"nvfp4_{t}_two_copies"]["ms"] for t in pair_cases
+            if f"nvfp4_{t}_pair" in rows and f"nvfp4_{t}_two_copies" in rows}
+    if pair:
+        print("a linear's two copies from one read, time over one copy at a time: "
+              + ", ".join(f"{t} {r:.2f}x" for t, r in pair.items()))
+        payload["pair_over_two_copies"] = pair
+    keys = {"quant_nvfp4_over_copy": "nvfp4_rtne", "quant_nvfp4_amax_given_over_copy": "nvfp4_rtne_amax_given",
+            "quant_rht_sr_over_copy": "nvfp4_rht_sr", "quant_rht_sr_amax_given_over_copy": "nvfp4_rht_sr_amax_given",
+            "quant_mxfp4_over_copy": "mxfp4_floor"}
+    latest = {key: rows[case]["over_copy"] for key, case in keys.items() if case in rows}
+    latest.update({f"quant_pair_{t}_over_two_copies": r for t, r in pair.items()})
     print("saved", save("quantize", payload, latest))
 
 
