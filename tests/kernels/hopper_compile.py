@@ -12,7 +12,8 @@ Prints one line per launch and exits 1 if any fails to compile.
 
 Launches are recorded as Triton specializes them (an int argument equal to 1 becomes a
 constexpr): a one-expert grouped quantize compiled on Triton 3.9 but failed on 3.6, the device
-machine's version, which this catches with that version's wheel put first on the path:
+machine's version, which this catches with that version's wheel put first on the path (.ci/run
+does so, and test_hopper_compile.py compiles with it where FP4LAB_DEVICE_TRITON names the folder):
     pip install --no-deps --target /tmp/t36 triton==3.6.0
     PYTHONPATH=/tmp/t36 python tests/kernels/hopper_compile.py
 """
@@ -183,7 +184,7 @@ def main() -> int:
                 cause = cause.__cause__
             print(f"FAILED {fn.__name__} {consts}\n{''.join(traceback.format_exception_only(e))}"
                   f"cause: {cause!r}")
-    print(f"{len(launches)} launches compiled for sm_90, {failed} failed")
+    print(f"{len(launches)} launches compiled for sm_90 with Triton {triton.__version__}, {failed} failed")
     return 1 if failed or not launches else 0
 
 

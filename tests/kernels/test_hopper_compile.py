@@ -3,6 +3,8 @@
 The other kernel tests run in Triton's interpreter, which accepts some programs the compiler
 rejects; this runs hopper_compile.py (the compiler, LLVM and ptxas on the CPU) in a process
 without TRITON_INTERPRET."""
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +13,7 @@ import pytest
 
 from ..checkout import subprocess_env
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
 pytest.importorskip("triton.backends.nvidia.compiler", reason="Triton without its NVIDIA backend")
 
 
@@ -20,7 +22,7 @@ def test_every_launch_compiles_for_sm90(tmp_path):
     script = Path(__file__).with_name("hopper_compile.py")
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
-    assert "0 failed" in done.stdout and "'stride_c': 1, 'SCALE_RULE': 2" in done.stdout
+    assert f"with Triton {triton.__version__}, 0 failed" in done.stdout and "'stride_c': 1, 'SCALE_RULE': 2" in done.stdout
     assert "_fp4_pair_kernel {'RULE_R': 0, 'RULE_C': 0, 'BLOCK': 16" in done.stdout  # a linear's two copies
     # launches as Triton specializes them: one group's G = 1 compiled as a constexpr, in the per-expert
     # amax and in the rows quantize (the two launches Triton 3.6 failed to compile with a search in them)
@@ -61,6 +63,22 @@ def test_one_group_compiles_no_search(tmp_path):
     one, two = (line.split() for line in done.stdout.splitlines()[:2])
     assert one[:2] == ["1", "False"], done.stdout  # (G = 1: group 0 for every index, nothing loaded)
     assert two[:2] == ["2", "True"] and int(two[2]) > 1, done.stdout  # (the search, where there is one)
+
+
+@pytest.mark.skipif(not os.environ.get("FP4LAB_DEVICE_TRITON"),
+                    reason="FP4LAB_DEVICE_TRITON names no folder holding the GPU machine's Triton (.ci/run installs it)")
+def test_every_launch_compiles_for_sm90_on_the_gpu_machines_triton(tmp_path):
+    """The same compile with the Triton the lent H100s run (another version than this machine's, whose
+    compiler accepted a one-expert launch that the device's rejected): the folder FP4LAB_DEVICE_TRITON
+    names, a ``pip install --target`` of that wheel, first on the path."""
+    folder = Path(os.environ["FP4LAB_DEVICE_TRITON"])
+    version = next(re.fullmatch(r"triton-(.+)\.dist-info", p.name).group(1) for p in folder.glob("triton-*.dist-info"))
+    env = subprocess_env(interpret=False, TRITON_CACHE_DIR=str(tmp_path))
+    env["PYTHONPATH"] = os.pathsep.join((str(folder), env["PYTHONPATH"]))
+    script = Path(__file__).with_name("hopper_compile.py")
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
+    assert f"compiled for sm_90 with Triton {version}, 0 failed" in done.stdout, done.stdout[-500:]
 
 
 def test_the_pair_instruction_count_compiles_both_passes_and_finds_the_amax_loop():
