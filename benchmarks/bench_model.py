@@ -40,6 +40,7 @@ from fp4lab.nn import GPT, model_config, quantize_model  # noqa: E402
 from fp4lab.nn.recipe import preset  # noqa: E402
 from fp4lab.nn.seeds import SeedTable  # noqa: E402
 from fp4lab.train.graphed import GraphedStep  # noqa: E402
+from fp4lab.train.run import seeds_on_device  # noqa: E402
 
 ARMS = ("bf16", "nvfp4", "nvfp4_plain", "mxfp4")
 
@@ -70,7 +71,9 @@ def _make_step(recipe_name: str, mode: str, args):
     model = GPT(model_config(args.model, seq_len=args.seq)).cuda()
     context = quantize_model(model, preset(recipe_name))
     runner = torch.compile(model) if mode.startswith("compiled") else model
-    if mode == "compiled":  # as train.run compiles: the seeds in device memory (nn.ops.traceable)
+    # the seeds in device memory where the trainer puts them (compiled: nn.ops.traceable; eager FP4
+    # experts: the routing's counts kept on the device); a graphed step makes its own table
+    if not mode.endswith("graphed") and seeds_on_device(model, torch.device("cuda"), compiled=mode == "compiled"):
         context.seeds = SeedTable("cuda")
     graphed = mode.endswith("graphed")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True, capturable=graphed)

@@ -128,6 +128,19 @@ def graph_refusal(*, host_counts: bool, device_type: str = "cuda", world: int = 
             "sm_90)" if host_counts else None)
 
 
+def seeds_on_device(model: GPT, device: torch.device, *, compiled: bool) -> bool:
+    """Whether a run's steps read their seeds from a SeedTable on ``device`` (nn.seeds), which the
+    trainer then makes: on CUDA, compiled (Inductor launches the FP4 kernels itself: nn.ops.traceable),
+    or eager with FP4 experts that keep the routing's counts on the device (nn.moe), which they do
+    only where the seeds live there. Without it each FP4 MoE projection reads the counts on the
+    host, a wait for the GPU at every MoE layer, and works per expert in Python. The same bits
+    either way (a graphed step's eager warm-up runs this path); a graphed step makes its own table."""
+    if device.type != "cuda":
+        return False
+    return compiled or any(moe.experts.recipe is not None and moe.experts.counts_on_device()
+                           for moe in model.moe_layers())
+
+
 def setup(cfg: TrainConfig) -> Run:
     """Ranks, data, model, recipe and optimizers -> the Run (the order fixes the random streams)."""
     rank, world, local_rank = _dist()
@@ -171,10 +184,8 @@ def setup(cfg: TrainConfig) -> Run:
         # past which a frame runs eager, a graphed step's capture included
         torch.compiler.reset()
         runner = torch.compile(runner)
-        if device.type == "cuda" and context.seeds is None:
-            # the step's seeds in device memory: Inductor then launches the FP4 kernels itself
-            # (nn.ops.traceable), where int seeds keep the layers on the opaque ops; the same bits
-            context.seeds = SeedTable(device)
+    if context.seeds is None and seeds_on_device(model, device, compiled=cfg.compile):
+        context.seeds = SeedTable(device)
     # what a checkpoint must match to be resumed; steps stays in: another budget is another schedule.
     # parallel is out (TrainConfig.identity): DDP and FSDP checkpoints are the same files (train.parallel)
     identity = {"config": cfg.identity(), "model": mcfg.to_dict(), "recipe": recipe.to_dict(), "data": data.identity,

@@ -191,3 +191,26 @@ def test_a_stopped_deterministic_gpu_run_resumes_to_the_same_bits_graphed_or_not
         rest = train(_config(token_file, tmp_path / name, **big, **settings), resume=True)
         assert rest.train_curve == whole.train_curve and rest.evals == whole.evals, name
         assert rest.final.fp4_forward_val_loss == whole.final.fp4_forward_val_loss is not None, name
+
+
+def test_eager_fp4_experts_get_device_seeds_where_their_counts_can_stay_there(monkeypatch):
+    """train.run.seeds_on_device: on CUDA, a compiled run, or an eager one whose FP4 experts keep the
+    routing's counts on the device (which they do only with a SeedTable: else each MoE projection
+    reads them on the host); not dense eager models, BF16 experts, a CPU run or FP4LAB_DEVICE_COUNTS=0."""
+    from fp4lab.train.run import seeds_on_device
+    monkeypatch.setenv("FP4LAB_BACKEND", "triton")  # (the kernels' rule as on a GPU: interpreted here)
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    models = {}
+    for name, recipe in (("moe", "nvfp4"), ("dense", "nvfp4"), ("moe_bf16", None)):
+        torch.manual_seed(0)
+        models[name] = GPT(model_config("tiny" if name == "dense" else "moe-tiny"))
+        if recipe:
+            quantize_model(models[name], preset(recipe))
+    assert seeds_on_device(models["moe"], cuda, compiled=False)
+    assert not seeds_on_device(models["dense"], cuda, compiled=False) and seeds_on_device(models["dense"], cuda,
+                                                                                          compiled=True)
+    assert not seeds_on_device(models["moe_bf16"], cuda, compiled=False)
+    assert not seeds_on_device(models["moe"], cpu, compiled=False) and not seeds_on_device(models["moe"], cpu,
+                                                                                           compiled=True)
+    monkeypatch.setenv("FP4LAB_DEVICE_COUNTS", "0")  # (the host-counts fallback)
+    assert not seeds_on_device(models["moe"], cuda, compiled=False)
