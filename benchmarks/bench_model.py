@@ -45,18 +45,27 @@ from fp4lab.train.run import seeds_on_device  # noqa: E402
 ARMS = ("bf16", "nvfp4", "nvfp4_plain", "mxfp4")
 
 
-_VARIANTS = {"": lambda: contextlib.nullcontext(), "single": one_copy_at_a_time, "opaque": opaque_ops}
+def _cpp_wrapper():
+    """Inductor's C++ wrapper: the compiled graph's launches made from C++ rather than its Python
+    wrapper (a probe of the compiled row's host time; compiles take longer)."""
+    import torch._inductor.config as inductor_config
+    return inductor_config.patch(cpp_wrapper=True)
+
+
+_VARIANTS = {"": lambda: contextlib.nullcontext(), "single": one_copy_at_a_time, "opaque": opaque_ops,
+             "cpp": _cpp_wrapper}
 
 
 def make_step(arm: str, mode: str, args):
     """-> step(i): one training step (forward, backward, AdamW) of ``args.model`` under the arm's
     recipe (``name:single``: quantizing x and dy one copy at a time; ``name:opaque``: compiled, the
-    FP4 layers on the opaque custom ops, as before the traced ones); ``graphed`` /
+    FP4 layers on the opaque custom ops, as before the traced ones; ``name:cpp``: compiled with
+    Inductor's C++ wrapper); ``graphed`` /
     ``compiled_graphed``: the eager / compiled step captured in a CUDA graph (train.graphed),
     replayed per step (the choice made at capture)."""
     recipe_name, _, variant = arm.partition(":")
     if variant not in _VARIANTS:
-        raise SystemExit(f"unknown arm variant {arm!r} (NAME, NAME:single or NAME:opaque)")
+        raise SystemExit(f"unknown arm variant {arm!r} (NAME, NAME:single, NAME:opaque or NAME:cpp)")
     with _VARIANTS[variant]():
         step = _make_step(recipe_name, mode, args)
 
@@ -71,17 +80,17 @@ def _make_step(recipe_name: str, mode: str, args):
     model = GPT(model_config(args.model, seq_len=args.seq)).cuda()
     context = quantize_model(model, preset(recipe_name))
     runner = torch.compile(model) if mode.startswith("compiled") else model
+    graphed = mode.endswith("graphed")
     # the seeds in device memory where the trainer puts them (compiled: nn.ops.traceable; eager FP4
     # experts: the routing's counts kept on the device); a graphed step makes its own table
-    if not mode.endswith("graphed") and seeds_on_device(model, torch.device("cuda"), compiled=mode == "compiled"):
+    if not graphed and seeds_on_device(model, torch.device("cuda"), compiled=mode == "compiled"):
         context.seeds = SeedTable("cuda")
-    graphed = mode.endswith("graphed")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True, capturable=graphed)
     idx = torch.randint(0, model.cfg.vocab_size, (args.batch, args.seq + 1), device="cuda")
     if graphed:
-        step = GraphedStep(lambda batch: runner(batch[:, :-1], batch[:, 1:]), opt, context, (idx,),
-                           autocast=torch.bfloat16)
-        return lambda i: step(i, idx)
+        captured = GraphedStep(lambda batch: runner(batch[:, :-1], batch[:, 1:]), opt, context, (idx,),
+                               autocast=torch.bfloat16)
+        return lambda i: captured(i, idx)
 
     def step(i: int) -> None:
         context.tick = i

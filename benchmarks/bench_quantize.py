@@ -11,7 +11,8 @@ write", and a device copy. Each case is timed twice: replayed from a CUDA graph 
 the figure the ratios use) and eagerly from Python (what launch overhead adds at this size). Writes benchmarks/results/quantize.json and the quant_* keys of
 latest.json. ``--cases`` times only the cases named (e.g. the step table's nvfp4_rtne,
 nvfp4_rtne_amax_given and nvfp4_rht_sr, in seconds where all take minutes) and keeps the file's
-other cases where it holds the same commit's run of the same shape on the same device.
+other cases where it holds the same commit's run of the same shape on the same device and
+software (else the old file moves to quantize_<its git>.json); latest.json gets this call's keys.
 """
 
 from __future__ import annotations
@@ -27,6 +28,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import RESULTS, bench_ms, copy_bandwidth_gbs, environment, graph_ms, save  # noqa: E402
 from fp4lab import formats, kernels  # noqa: E402
 from fp4lab.kernels.amax import finite_amax  # noqa: E402
+
+
+_SAME_RUN = ("git", "device", "shape", "torch", "triton")
+
+
+def _merged(payload: dict, rows: dict) -> dict:
+    """The cases quantize.json is to hold after a ``--cases`` call: its other cases too where the
+    file is the same run (commit, device, shape, torch, Triton), else only this call's; a file from
+    another run is first kept beside it as quantize_<its git>.json, so nothing is lost."""
+    path = RESULTS / "quantize.json"
+    old = json.loads(path.read_text()) if path.exists() else {}
+    if payload["git"] != "unknown" and all(old.get(k) == payload[k] for k in _SAME_RUN):
+        return {**old.get("cases", {}), **rows}
+    kept = RESULTS / f"quantize_{old.get('git', 'unknown')}.json"
+    if old and not kept.exists():
+        kept.write_text(path.read_text())
+        print(f"quantize.json held another run's cases ({old.get('git')}): kept as {kept.name}")
+    return dict(rows)
 
 
 def main() -> None:
@@ -98,17 +117,18 @@ def main() -> None:
         except Exception as exc:  # e.g. a baseline that syncs cannot be captured
             print(f"{name}: no CUDA graph ({type(exc).__name__}); timing eagerly")
             ms = eager
-        rows[name] = {"ms": ms, "eager_ms": eager, "gbs": nbytes / ms / 1e6, "over_copy": nbytes / ms / 1e6 / copy}
+        rows[name] = {"ms": ms, "eager_ms": eager, "gbs": nbytes / ms / 1e6, "over_copy": nbytes / ms / 1e6 / copy,
+                      "copy_gbs": copy}  # (each row its own copy figure: a merged file holds several calls')
     payload = {**environment(), "shape": [args.rows, args.cols], "dtype": "bfloat16",
-               "copy_gbs": copy, "cases": rows}
-    old = json.loads((RESULTS / "quantize.json").read_text()) if (RESULTS / "quantize.json").exists() else {}
-    if args.cases and payload["git"] != "unknown" and all(old.get(k) == payload[k] for k in ("git", "device", "shape")):
-        rows = payload["cases"] = {**old.get("cases", {}), **rows}  # (the same run's other cases kept)
+               "copy_gbs": copy, "cases": dict(rows)}
+    if args.cases:
+        payload["cases"] = _merged(payload, rows)
     print(f"{payload['device']}  torch {payload['torch']}  triton {payload['triton']}")
     print(f"copy bandwidth (read + write): {copy:.0f} GB/s; x: {args.rows}x{args.cols} bf16")
     print(f"{'case':40s} {'ms':>8s} {'GB/s':>8s} {'/copy':>6s} {'eager ms':>9s}")
     for name, r in rows.items():
         print(f"{name:40s} {r['ms']:8.3f} {r['gbs']:8.0f} {r['over_copy']:6.2f} {r['eager_ms']:9.3f}")
+    # the ratios below read this call's rows only, never a merged file's older ones
     pair = {t: rows[f"nvfp4_{t}_pair"]["ms"] / rows[f"nvfp4_{t}_two_copies"]["ms"] for t in pair_cases
             if f"nvfp4_{t}_pair" in rows and f"nvfp4_{t}_two_copies" in rows}
     if pair:

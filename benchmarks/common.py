@@ -153,15 +153,23 @@ def copy_bandwidth_gbs(numel: int = 1 << 28) -> float:
     return 2 * src.numel() * src.element_size() / ms / 1e6
 
 
+_STAMP = ("git", "date", "device", "torch", "triton")
+
+
 def save(name: str, payload: dict, latest_keys: dict | None = None) -> Path:
-    """Write results/<name>.json; merge ``latest_keys`` (ratios) into results/latest.json."""
+    """Write results/<name>.json; merge ``latest_keys`` (ratios) into results/latest.json, each
+    with its own run under ``run_of`` (the keys come from many calls at many commits: one stamp
+    for the whole file would date keys it did not write)."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps(payload, indent=1))
     if latest_keys:
         latest_path = RESULTS / "latest.json"
         latest = json.loads(latest_path.read_text()) if latest_path.exists() else {}
-        latest.update({k: payload[k] for k in ("device", "torch", "triton", "date", "git")})
+        stamp = ", ".join(f"{k} {payload[k]}" for k in _STAMP)
+        for key in _STAMP:  # (the old file-wide stamp)
+            latest.pop(key, None)
         latest.update(latest_keys)
+        latest.setdefault("run_of", {}).update({key: stamp for key in latest_keys})
         latest_path.write_text(json.dumps(latest, indent=1, sort_keys=True))
     return path

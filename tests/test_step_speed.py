@@ -106,3 +106,31 @@ def test_the_pair_sweeps_d12_mix_is_a_d12_steps_pair_calls(monkeypatch):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         model(tokens[:, :-1], tokens[:, 1:]).backward()
     assert dict(calls) == sweep.D12_CALLS
+
+
+def test_latest_json_stamps_each_key_with_the_run_that_wrote_it(tmp_path, monkeypatch):
+    """benchmarks/common.save: latest.json holds keys from many calls; each key's run is under
+    run_of (no file-wide stamp, which would date keys another call wrote)."""
+    common = importlib.import_module("benchmarks.common")
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    (tmp_path / "latest.json").write_text(json.dumps({"git": "0000000", "old_key": 1.0}))
+    env = {"device": "H100", "torch": "2", "triton": "3", "date": "2026-12-07"}
+    common.save("a", {**env, "git": "abc1234"}, {"a_key": 1.5})
+    common.save("b", {**env, "git": "def5678"}, {"b_key": 0.5})
+    latest = json.loads((tmp_path / "latest.json").read_text())
+    assert "git" not in latest and latest["a_key"] == 1.5 and latest["b_key"] == 0.5 and latest["old_key"] == 1.0
+    assert "git abc1234" in latest["run_of"]["a_key"] and "git def5678" in latest["run_of"]["b_key"]
+    assert "old_key" not in latest["run_of"]
+
+
+def test_bench_quantize_cases_merge_only_the_same_run_and_keep_another_runs_file(tmp_path, monkeypatch):
+    """bench_quantize.py --cases: the file's other cases stay where the file is the same run (commit,
+    device, shape, torch and Triton); a file from another run is kept as quantize_<git>.json and
+    the new file holds only this call's cases."""
+    bench = importlib.import_module("benchmarks.bench_quantize")
+    monkeypatch.setattr(bench, "RESULTS", tmp_path)
+    run = {"git": "abc1234", "device": "H100", "shape": [8, 16], "torch": "2", "triton": "3"}
+    (tmp_path / "quantize.json").write_text(json.dumps({**run, "cases": {"old": {"ms": 1.0}}}))
+    assert set(bench._merged(dict(run), {"new": {"ms": 2.0}})) == {"old", "new"}
+    assert set(bench._merged({**run, "triton": "4"}, {"new": {"ms": 2.0}})) == {"new"}
+    assert json.loads((tmp_path / "quantize_abc1234.json").read_text())["cases"] == {"old": {"ms": 1.0}}

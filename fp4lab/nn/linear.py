@@ -18,7 +18,7 @@ Public: ``QuantContext``, ``FP4Linear``, ``fp4_linear``, ``grouped_fp4_linear``,
 from __future__ import annotations
 
 import contextlib
-import dataclasses
+import copy
 
 import torch
 from torch import nn
@@ -35,7 +35,11 @@ __all__ = ["QuantContext", "FP4Linear", "fp4_linear", "grouped_fp4_linear", "fpr
 def fprop_weight(weight: torch.Tensor, recipe: Recipe, *, name: str,
                  context: QuantContext) -> FP4Tensor | None:
     """weight: [N, K] -> the FP4Tensor fprop multiplies now (dither included), None if BF16."""
-    call = make_call(recipe, name, dataclasses.replace(context, collect=False))
+    # a shallow copy, not dataclasses.replace: that re-runs __init__, whose setting of tick refills
+    # a SeedTable (a host-to-device copy of every slot) for the tick it already holds
+    quiet = copy.copy(context)
+    quiet.collect = False
+    call = make_call(recipe, name, quiet)
     if not call.recipe.fprop.b.quantized:
         return None
     return call.operand(call.weight_source(weight), 1, "fprop", "b", codes=True)

@@ -24,6 +24,8 @@ Public: ``SeedTable``, ``SeedSlots``, ``table_at``.
 from __future__ import annotations
 
 import contextlib
+import itertools
+import weakref
 
 import numpy as np
 import torch
@@ -33,12 +35,21 @@ from ..kernels.host import tracing
 from .quant import seed_column, seed_fold, seed_start
 
 
-_TABLES: list["SeedTable"] = []  # every table of this process, by ``index`` (how the custom ops name one)
+# every live table of this process, by ``index`` (how the custom ops name one); weak, so a run's
+# table (and its device buffer) goes with the run
+_TABLES: "weakref.WeakValueDictionary[int, SeedTable]" = weakref.WeakValueDictionary()
+_NEXT_INDEX = itertools.count()
 
 
 def table_at(index: int) -> "SeedTable | None":
     """The table whose ``index`` this is; None for -1 (seeds as kernel arguments)."""
-    return None if index < 0 else _TABLES[index]
+    if index < 0:
+        return None
+    table = _TABLES.get(index)
+    if table is None:
+        raise LookupError(f"seed table {index} is gone (freed with its run): a graph traced against it "
+                          "cannot run without it")
+    return table
 
 
 class SeedTable:
@@ -47,8 +58,8 @@ class SeedTable:
     object it would have to trace)."""
 
     def __init__(self, device: torch.device | str, capacity: int = 4096):
-        self.index = len(_TABLES)
-        _TABLES.append(self)
+        self.index = next(_NEXT_INDEX)
+        _TABLES[self.index] = self
         self.values = torch.zeros(capacity, dtype=torch.int64, device=device)
         self.specs: list[tuple[int, int, int, int, int]] = []  # (recipe seed, layer, rank, gemm, side) per slot
         self._index: dict[tuple[int, int, int, int, int], int] = {}

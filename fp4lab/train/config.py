@@ -91,10 +91,10 @@ class TrainConfig:
     compile: bool = False
     """torch.compile the model: the FP4 GEMMs are custom ops (nn.ops), so a dense model is one graph
     that serves every step without recompiling. An MoE model is one graph too where its experts keep
-    the routing's counts on the device (BF16 experts on torch._grouped_mm; FP4 experts in a
-    graphed run, under a recipe nn.gemms.counts_stay_on_device admits); elsewhere reading the
-    counts on the host breaks the graph at each MoE block. On CUDA the run's seeds go in a SeedTable,
-    so a dense FP4 layer of a model without experts takes the traced ops where nn.ops.traceable
+    the routing's counts on the device (BF16 experts on torch._grouped_mm; FP4 experts on CUDA,
+    under a recipe nn.gemms.counts_stay_on_device admits); elsewhere reading the counts on the host
+    breaks the graph at each MoE block. On CUDA the run's seeds go in a SeedTable
+    (train.run.seeds_on_device), so a dense FP4 layer takes the traced ops where nn.ops.traceable
     allows (Inductor makes their kernel launches)."""
     cuda_graph: bool = False
     """Replay each step's forward and backward from one CUDA graph (train.graphed), the step's seeds

@@ -72,7 +72,10 @@ def test_every_launch_compiles_for_sm90_on_the_gpu_machines_triton(tmp_path):
     compiler accepted a one-expert launch that the device's rejected): the folder FP4LAB_DEVICE_TRITON
     names, a ``pip install --target`` of that wheel, first on the path."""
     folder = Path(os.environ["FP4LAB_DEVICE_TRITON"])
-    version = next(re.fullmatch(r"triton-(.+)\.dist-info", p.name).group(1) for p in folder.glob("triton-*.dist-info"))
+    found = sorted(p.name for p in folder.glob("triton-*.dist-info"))
+    assert len(found) == 1, (f"{folder} must hold one Triton (a pip install --target of one wheel), found "
+                             f"{found or 'none'}: remove the folder and install the wheel again")
+    version = re.fullmatch(r"triton-(.+)\.dist-info", found[0]).group(1)
     env = subprocess_env(interpret=False, TRITON_CACHE_DIR=str(tmp_path))
     env["PYTHONPATH"] = os.pathsep.join((str(folder), env["PYTHONPATH"]))
     script = Path(__file__).with_name("hopper_compile.py")

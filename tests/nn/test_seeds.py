@@ -12,6 +12,8 @@ from fp4lab.nn.quant import derive_seed
 from fp4lab.nn.recipe import nvfp4, preset
 from fp4lab.nn.seeds import SeedTable
 
+from .seed_oracle import slot_seed
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BACKENDS = ["reference", pytest.param("triton", marks=pytest.mark.skipif(
     importlib.util.find_spec("triton") is None, reason="needs triton (TRITON_INTERPRET=1 on a CPU)"))]
@@ -67,12 +69,12 @@ def test_slots_hold_derive_seed_and_are_shared_per_spec():
     assert int(slot) == derive_seed(root, GEMMS.index("wgrad"), ord("a"))
     assert call.seed("wgrad", "a").data_ptr() == slot.data_ptr() and len(table.specs) == 1
     context.tick = 10  # refilled in place: the view a captured kernel holds sees the new value
-    assert int(slot) == derive_seed(derive_seed(recipe.seed, layer_key("a"), 10, 2), GEMMS.index("wgrad"), ord("a"))
+    assert int(slot) == slot_seed((recipe.seed, layer_key("a"), 2, GEMMS.index("wgrad"), ord("a")), 10)
     for side in "bcd":
         call.seed("wgrad", side)
     grown = call.seed("dgrad", "a")  # a fifth slot: the table doubles, the values kept
-    assert len(table.values) == 8 and int(grown) == derive_seed(derive_seed(recipe.seed, layer_key("a"), 10, 2),
-                                                                 GEMMS.index("dgrad"), ord("a"))
+    assert len(table.values) == 8 and int(grown) == slot_seed((recipe.seed, layer_key("a"), 2, GEMMS.index("dgrad"),
+                                                                ord("a")), 10)
     assert int(call.seed("wgrad", "a")) == int(slot) and call.seed("wgrad", "a").data_ptr() != slot.data_ptr()
 
 
@@ -146,13 +148,41 @@ def test_a_fill_writes_each_slots_derived_seed(parts, ticks, grow_at):
     negative read as derive_seed's mask reads them."""
     table = SeedTable("cpu", capacity=4)
     for i, spec in enumerate(parts):
-        s, layer, rank, gemm, side = spec  # a slot drawn between fills holds its value at the table's tick
         at = table.slot(*spec)  # (first: drawing may grow the buffer)
-        assert int(table.values[at]) == derive_seed(derive_seed(s, layer, table.tick, *([rank] if rank else [])),
-                                                    gemm, side)
+        assert int(table.values[at]) == slot_seed(spec, table.tick)  # drawn between fills: its value at the tick
         if i + 1 == grow_at or i + 1 == len(parts):
             for tick in ticks:
                 table.fill(tick)
-                want = [derive_seed(derive_seed(s, layer, tick, *([rank] if rank else [])), gemm, side)
-                        for s, layer, rank, gemm, side in table.specs]
+                want = [slot_seed(spec, tick) for spec in table.specs]
                 assert table.values[: len(table.specs)].tolist() == want
+
+
+def test_a_table_goes_with_its_run():
+    """The process's tables are held weakly: a dropped table (and its device buffer) is freed, and
+    its index then names no table, a clear error rather than another run's seeds."""
+    import gc
+    import weakref
+    from fp4lab.nn.seeds import table_at
+    table = SeedTable("cpu", capacity=4)
+    index, ref = table.index, weakref.ref(table)
+    assert table_at(index) is table and table_at(-1) is None
+    del table
+    gc.collect()
+    assert ref() is None
+    with pytest.raises(LookupError, match="is gone"):
+        table_at(index)
+    assert SeedTable("cpu", capacity=4).index != index  # (indices are never reused)
+
+
+def test_the_stiction_meters_weight_leaves_the_table_as_it_was(monkeypatch):
+    """nn.linear.fprop_weight quantizes the weight as fprop does, with collect off: its context
+    copy must not refill the run's SeedTable (a host-to-device copy of every slot) or touch the
+    run's own context."""
+    from fp4lab.nn.linear import fprop_weight
+    table = SeedTable("cpu", capacity=4)
+    context = QuantContext(tick=5, collect=True, seeds=table)
+    fills = []
+    monkeypatch.setattr(SeedTable, "fill", lambda self, tick: fills.append(tick))
+    recipe = nvfp4().override({"fprop.b.dither": 0.5, "dgrad.b.dither": 0.5})  # (a dithered weight draws a seed)
+    q = fprop_weight(torch.randn(32, 64), recipe, name="a", context=context)
+    assert q is not None and fills == [] and context.collect and context.tick == 5 and context.seeds is table

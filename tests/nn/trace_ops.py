@@ -33,8 +33,8 @@ from fp4lab.kernels import matmul  # noqa: E402
 from fp4lab.kernels import host  # noqa: E402
 from fp4lab.nn import ops  # noqa: E402
 from fp4lab.nn.recipe import preset  # noqa: E402
-from fp4lab.nn.quant import derive_seed  # noqa: E402
 from fp4lab.nn.seeds import SeedTable  # noqa: E402
+from seed_oracle import slot_seed  # noqa: E402  (beside this script)
 
 
 class _Hopper:
@@ -141,8 +141,7 @@ def trace(recipe_name: str) -> str:
               and getattr(n.target, "__name__", "").startswith("slice") and _root(n) is _placeholders(g)[at]]
     drawn = len(table.specs)
     assert bool(drawn) == bool(slices), f"{recipe_name}: {drawn} slots drawn, {len(slices)} read from the input"
-    want = [derive_seed(derive_seed(seed, layer, table.tick, *([rank] if rank else [])), gemm, side)
-            for seed, layer, rank, gemm, side in table.specs]  # (rank 0 folds none, as call_at)
+    want = [slot_seed(spec, table.tick) for spec in table.specs]
     assert table.values[:drawn].tolist() == want, f"{recipe_name}: a slot's value"
     return f"{recipe_name}: forward {counts[0]} launches, backward {counts[1]}, {drawn} seed slots"
 

@@ -105,17 +105,20 @@ def test_a_graph_is_refused_where_experts_read_their_counts_on_the_host():
 
 
 @cuda
-def test_a_graphed_bf16_moe_run_is_the_eager_run_bit_for_bit(token_file, tmp_path):
+def test_a_graphed_bf16_moe_run_is_the_eager_run_bit_for_bit(token_file, tmp_path, monkeypatch):
     """BF16 experts multiply on torch._grouped_mm with the routing's counts on the device, so their
     step is captured: every train loss and evaluation equals the eager run's (the routing's load
     counted inside the graph, the balancing bias updated after each replay). So are FP4 experts
     whose recipe quantizes every GEMM's activations for all experts at once (NVIDIA's, its late
-    switch to BF16 captured again); one that rotates the forward's operands reads the counts on
-    the host and is refused before training starts."""
+    switch to BF16 captured again), against an eager run whose experts read the counts on the host
+    (FP4LAB_DEVICE_COUNTS=0; else an eager CUDA run keeps them on the device too); one that rotates
+    the forward's operands reads the counts on the host and is refused before training starts."""
     from fp4lab.train.loop import train
     for name, moe in (("bf16", dict(model="moe-tiny", recipe="bf16", recipe_overrides={})),
                       ("nvfp4", dict(model="moe-tiny"))):
+        monkeypatch.setenv("FP4LAB_DEVICE_COUNTS", "0")
         eager = train(_config(token_file, tmp_path / f"{name}-eager", **moe))
+        monkeypatch.delenv("FP4LAB_DEVICE_COUNTS")
         graphed = train(_config(token_file, tmp_path / f"{name}-graphed", cuda_graph=True, **moe))
         assert graphed.status == eager.status == "ok"
         assert graphed.train_curve == eager.train_curve, name
@@ -129,13 +132,15 @@ def test_a_graphed_bf16_moe_run_is_the_eager_run_bit_for_bit(token_file, tmp_pat
 def test_a_compiled_and_graphed_fp4_moe_run_is_the_compiled_eager_run(token_file, tmp_path, monkeypatch):
     """Compiled, FP4 experts under NVIDIA's recipe hand the routing's counts to the custom ops as a
     device tensor in a graphed step, so the run is captured (no refusal; a second capture after the
-    late switch); the compiled eager run reads the counts on the host, a graph break at each MoE
-    block. Compiled with aot_eager (each traced op runs as itself), the two runs are the same bits:
-    every train loss and evaluation."""
+    late switch); the compiled eager run here reads the counts on the host (FP4LAB_DEVICE_COUNTS=0),
+    a graph break at each MoE block. Compiled with aot_eager (each traced op runs as itself), the
+    two runs are the same bits: every train loss and evaluation."""
     from fp4lab.train.loop import train
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
     moe = dict(model="moe-tiny", compile=True)
+    monkeypatch.setenv("FP4LAB_DEVICE_COUNTS", "0")
     eager = train(_config(token_file, tmp_path / "eager", **moe))
+    monkeypatch.delenv("FP4LAB_DEVICE_COUNTS")
     graphed = train(_config(token_file, tmp_path / "graphed", cuda_graph=True, **moe))
     assert graphed.status == eager.status == "ok"
     assert graphed.train_curve == eager.train_curve
@@ -214,3 +219,30 @@ def test_eager_fp4_experts_get_device_seeds_where_their_counts_can_stay_there(mo
                                                                                            compiled=True)
     monkeypatch.setenv("FP4LAB_DEVICE_COUNTS", "0")  # (the host-counts fallback)
     assert not seeds_on_device(models["moe"], cuda, compiled=False)
+
+
+def test_an_eager_run_with_device_seeds_is_the_host_counts_run_bit_for_bit(token_file, tmp_path, monkeypatch):
+    """Where train.run.seeds_on_device says so (on CUDA; forced on a CPU, interpreted), setup() gives
+    the run a SeedTable, and its FP4 experts then take the routing's counts as a device tensor.
+    With gradient accumulation, every train loss and evaluation equals the run whose experts read
+    the counts on the host (FP4LAB_DEVICE_COUNTS=0: no table)."""
+    import fp4lab.train.run as run_module
+    from fp4lab.train.loop import train
+    if not torch.cuda.is_available():
+        pytest.importorskip("triton")
+        monkeypatch.setenv("FP4LAB_BACKEND", "triton")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    moe = dict(model="moe-tiny", model_overrides={"depth": 1}, steps=2, batch_size=4, grad_accum=2, seq_len=16,
+               eval_every=2, warmup=1, val_fraction=0.002, recipe_overrides={"keep_first": 0, "keep_last": 0})
+    monkeypatch.setenv("FP4LAB_DEVICE_COUNTS", "0")
+    plain = train(_config(token_file, tmp_path / "plain", **moe))
+    monkeypatch.delenv("FP4LAB_DEVICE_COUNTS")
+    if not torch.cuda.is_available():  # (on CUDA the rule itself says so)
+        monkeypatch.setattr(run_module, "seeds_on_device", lambda model, device, *, compiled: True)
+    run = run_module.setup(_config(token_file, tmp_path / "setup", **moe))
+    experts = run.model.moe_layers()[0].experts
+    assert run.context.seeds is not None and experts._fp4_counts_kept(run.device, torch.bfloat16)
+    tabled = train(_config(token_file, tmp_path / "tabled", **moe))
+    assert tabled.status == plain.status == "ok"
+    assert tabled.train_curve == plain.train_curve
+    assert [e.val_loss for e in tabled.evals] == [e.val_loss for e in plain.evals]
