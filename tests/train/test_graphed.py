@@ -221,27 +221,34 @@ def test_eager_fp4_experts_get_device_seeds_where_their_counts_can_stay_there(mo
     assert not seeds_on_device(models["moe"], cuda, compiled=False)
 
 
-def test_an_eager_run_with_device_seeds_is_the_host_counts_run_bit_for_bit(token_file, tmp_path, monkeypatch):
-    """Where train.run.seeds_on_device says so (on CUDA; forced on a CPU, interpreted), setup() gives
-    the run a SeedTable, and its FP4 experts then take the routing's counts as a device tensor.
-    With gradient accumulation, every train loss and evaluation equals the run whose experts read
-    the counts on the host (FP4LAB_DEVICE_COUNTS=0: no table)."""
+def test_setup_gives_the_run_a_seed_table_where_the_rule_says_so(token_file, tmp_path, monkeypatch):
+    """Where train.run.seeds_on_device says so (on CUDA; forced here, interpreted), setup() gives the
+    run a SeedTable, and its FP4 experts then take the routing's counts as a device tensor; where
+    it does not, no table and host counts. (The two runs' bits: the CUDA test below.)"""
+    pytest.importorskip("triton")
     import fp4lab.train.run as run_module
+    monkeypatch.setenv("FP4LAB_BACKEND", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    moe = dict(model="moe-tiny", recipe_overrides={"keep_first": 0, "keep_last": 0})
+    for forced in (False, True):
+        monkeypatch.setattr(run_module, "seeds_on_device", lambda model, device, *, compiled: forced)
+        run = run_module.setup(_config(token_file, tmp_path / str(forced), **moe))
+        experts = run.model.moe_layers()[0].experts
+        assert (run.context.seeds is not None) is forced
+        assert experts._fp4_counts_kept(run.device, torch.bfloat16) is forced
+
+
+@cuda
+def test_an_eager_run_with_device_seeds_is_the_host_counts_run_bit_for_bit(token_file, tmp_path, monkeypatch):
+    """An eager CUDA run whose FP4 experts keep the routing's counts on the device (the trainer's
+    SeedTable: train.run.seeds_on_device) is the run whose experts read them on the host
+    (FP4LAB_DEVICE_COUNTS=0: no table) bit for bit, with gradient accumulation: every train loss
+    and evaluation."""
     from fp4lab.train.loop import train
-    if not torch.cuda.is_available():
-        pytest.importorskip("triton")
-        monkeypatch.setenv("FP4LAB_BACKEND", "triton")
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-    moe = dict(model="moe-tiny", model_overrides={"depth": 1}, steps=2, batch_size=4, grad_accum=2, seq_len=16,
-               eval_every=2, warmup=1, val_fraction=0.002, recipe_overrides={"keep_first": 0, "keep_last": 0})
+    moe = dict(model="moe-tiny", grad_accum=2, recipe_overrides={"keep_first": 0, "keep_last": 0})
     monkeypatch.setenv("FP4LAB_DEVICE_COUNTS", "0")
     plain = train(_config(token_file, tmp_path / "plain", **moe))
     monkeypatch.delenv("FP4LAB_DEVICE_COUNTS")
-    if not torch.cuda.is_available():  # (on CUDA the rule itself says so)
-        monkeypatch.setattr(run_module, "seeds_on_device", lambda model, device, *, compiled: True)
-    run = run_module.setup(_config(token_file, tmp_path / "setup", **moe))
-    experts = run.model.moe_layers()[0].experts
-    assert run.context.seeds is not None and experts._fp4_counts_kept(run.device, torch.bfloat16)
     tabled = train(_config(token_file, tmp_path / "tabled", **moe))
     assert tabled.status == plain.status == "ok"
     assert tabled.train_curve == plain.train_curve
