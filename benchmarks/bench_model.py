@@ -66,6 +66,8 @@ def make_step(arm: str, mode: str, args):
     recipe_name, _, variant = arm.partition(":")
     if variant not in _VARIANTS:
         raise SystemExit(f"unknown arm variant {arm!r} (NAME, NAME:single, NAME:opaque or NAME:cpp)")
+    if variant == "cpp" and not mode.startswith("compiled"):
+        raise SystemExit(f"{arm}: Inductor's C++ wrapper is for the compiled modes, not {mode}")
     with _VARIANTS[variant]():
         step = _make_step(recipe_name, mode, args)
 

@@ -33,19 +33,24 @@ from fp4lab.kernels.amax import finite_amax  # noqa: E402
 _SAME_RUN = ("git", "device", "shape", "torch", "triton")
 
 
-def _merged(payload: dict, rows: dict) -> dict:
-    """The cases quantize.json is to hold after a ``--cases`` call: its other cases too where the
-    file is the same run (commit, device, shape, torch, Triton), else only this call's; a file from
-    another run is first kept beside it as quantize_<its git>.json, so nothing is lost."""
+def _merge(payload: dict, rows: dict, pair: dict) -> None:
+    """What quantize.json is to hold after a ``--cases`` call, set in ``payload``: the file's other
+    cases and pair ratios too where it is the same run (commit, device, shape, torch, Triton), else
+    only this call's; a file from another run is first kept beside it as quantize_<its git>.json
+    (or _2, _3, ... where that name is taken), so nothing is lost."""
     path = RESULTS / "quantize.json"
     old = json.loads(path.read_text()) if path.exists() else {}
     if payload["git"] != "unknown" and all(old.get(k) == payload[k] for k in _SAME_RUN):
-        return {**old.get("cases", {}), **rows}
-    kept = RESULTS / f"quantize_{old.get('git', 'unknown')}.json"
-    if old and not kept.exists():
+        payload["cases"] = {**old.get("cases", {}), **rows}
+        payload["pair_over_two_copies"] = {**old.get("pair_over_two_copies", {}), **pair}
+        return
+    if old:
+        stem, n = f"quantize_{old.get('git', 'unknown')}", 1
+        while (RESULTS / f"{stem}{'' if n == 1 else f'_{n}'}.json").exists():
+            n += 1
+        kept = RESULTS / f"{stem}{'' if n == 1 else f'_{n}'}.json"
         kept.write_text(path.read_text())
-        print(f"quantize.json held another run's cases ({old.get('git')}): kept as {kept.name}")
-    return dict(rows)
+        print(f"quantize.json held another run's cases ({old.get('git')}, {old.get('device')}): kept as {kept.name}")
 
 
 def main() -> None:
@@ -121,8 +126,6 @@ def main() -> None:
                       "copy_gbs": copy}  # (each row its own copy figure: a merged file holds several calls')
     payload = {**environment(), "shape": [args.rows, args.cols], "dtype": "bfloat16",
                "copy_gbs": copy, "cases": dict(rows)}
-    if args.cases:
-        payload["cases"] = _merged(payload, rows)
     print(f"{payload['device']}  torch {payload['torch']}  triton {payload['triton']}")
     print(f"copy bandwidth (read + write): {copy:.0f} GB/s; x: {args.rows}x{args.cols} bf16")
     print(f"{'case':40s} {'ms':>8s} {'GB/s':>8s} {'/copy':>6s} {'eager ms':>9s}")
@@ -135,6 +138,8 @@ def main() -> None:
         print("a linear's two copies from one read, time over one copy at a time: "
               + ", ".join(f"{t} {r:.2f}x" for t, r in pair.items()))
         payload["pair_over_two_copies"] = pair
+    if args.cases:
+        _merge(payload, rows, pair)
     keys = {"quant_nvfp4_over_copy": "nvfp4_rtne", "quant_nvfp4_amax_given_over_copy": "nvfp4_rtne_amax_given",
             "quant_rht_sr_over_copy": "nvfp4_rht_sr", "quant_rht_sr_amax_given_over_copy": "nvfp4_rht_sr_amax_given",
             "quant_mxfp4_over_copy": "mxfp4_floor"}

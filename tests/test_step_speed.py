@@ -130,7 +130,17 @@ def test_bench_quantize_cases_merge_only_the_same_run_and_keep_another_runs_file
     bench = importlib.import_module("benchmarks.bench_quantize")
     monkeypatch.setattr(bench, "RESULTS", tmp_path)
     run = {"git": "abc1234", "device": "H100", "shape": [8, 16], "torch": "2", "triton": "3"}
-    (tmp_path / "quantize.json").write_text(json.dumps({**run, "cases": {"old": {"ms": 1.0}}}))
-    assert set(bench._merged(dict(run), {"new": {"ms": 2.0}})) == {"old", "new"}
-    assert set(bench._merged({**run, "triton": "4"}, {"new": {"ms": 2.0}})) == {"new"}
-    assert json.loads((tmp_path / "quantize_abc1234.json").read_text())["cases"] == {"old": {"ms": 1.0}}
+    def call(payload: dict, rows: dict, pair: dict) -> dict:  # (as main: merge, then save)
+        payload = {**payload, "cases": dict(rows), "pair_over_two_copies": pair}
+        bench._merge(payload, rows, pair)
+        (tmp_path / "quantize.json").write_text(json.dumps(payload))
+        return payload
+
+    call(run, {"old": {"ms": 1.0}}, {"x": 0.8})
+    merged = call(run, {"new": {"ms": 2.0}}, {"dy": 0.9})
+    assert set(merged["cases"]) == {"old", "new"} and merged["pair_over_two_copies"] == {"x": 0.8, "dy": 0.9}
+    other = call({**run, "triton": "4"}, {"new": {"ms": 3.0}}, {})
+    assert set(other["cases"]) == {"new"} and other["pair_over_two_copies"] == {}
+    assert json.loads((tmp_path / "quantize_abc1234.json").read_text())["cases"] == merged["cases"]
+    call(run, {"third": {"ms": 4.0}}, {})  # the same commit again, on the first software: another name
+    assert json.loads((tmp_path / "quantize_abc1234_2.json").read_text())["triton"] == "4"

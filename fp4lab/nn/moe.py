@@ -15,11 +15,11 @@ CUDA from sm90, else as a loop over experts. Under a recipe, each projection is
 nn.linear.grouped_fp4_linear: every expert's three GEMMs as the recipe says, with a tensor scale
 per expert operand, fprop and dgrad of all experts in one launch on the Triton backend. Where the
 recipe allows before and after any late switch (``steps_keep_counts``, by
-nn.gemms.counts_stay_on_device) and the step's seeds live on the device (a SeedTable: every CUDA
-training run that can use one, train.run.seeds_on_device, and a graphed step), they take the
-routing's counts as the device tensor they are, eager or compiled: no wait for the GPU at each MoE
-layer, and a CUDA graph can capture the step (FP4LAB_DEVICE_COUNTS=0 reads them on the host
-instead, the same bits). The
+nn.gemms.counts_stay_on_device) and the step's seeds live on the device (a SeedTable: the
+trainer's on CUDA, train.run.seeds_on_device, and a graphed step's), they take the routing's
+counts as the device tensor they are, eager or compiled: no wait for the GPU at each MoE layer,
+and a CUDA graph can capture the step. Steps that collect operand stats, BF16-forward
+evaluations and FP4LAB_DEVICE_COUNTS=0 read them on the host instead (the same bits). The
 combine un-sorts and sums the K contributions in a fixed order, so the forward is deterministic
 on GPU too (no atomics).
 
@@ -105,17 +105,19 @@ class GroupedExperts(RecipeSlot, nn.Module):
     counts_kept = True
     """FP4 experts take the routing's counts as a device tensor where the recipe allows it
     (nn.gemms.counts_stay_on_device) and the step's seeds live on the device (a SeedTable: a CUDA
-    training run's, train.run.seeds_on_device, or a graphed step's); False, or FP4LAB_DEVICE_COUNTS=0 in the environment: read on the host, the same bits (a
-    fallback to compare with, not a recipe)."""
+    training run's, train.run.seeds_on_device, or a graphed step's); False, or
+    FP4LAB_DEVICE_COUNTS=0 in the environment: read on the host, the same bits (a fallback to
+    compare with, not a recipe)."""
 
     def _on_grouped_mm(self, device: torch.device, dtype: torch.dtype) -> bool:
         return self.recipe is None and self.grouped_mm and grouped_mm_runs(device, dtype, *self.w_down.shape[1:])
 
     def _fp4_counts_kept(self, device: torch.device, dtype: torch.dtype) -> bool:
-        # only where the step's seeds live on the device (a SeedTable: CUDA training runs, eager,
-        # compiled or graphed; without one, as in a bare forward, the counts are read on the host,
-        # where the launches are sized to them: the same bits), and decided for the run, both sides of any late switch: a rule read at
-        # the step's progress would be a guard on it under torch.compile, a recompile at the switch
+        # only where the step's seeds live on the device (a SeedTable: the trainer's on CUDA,
+        # eager, compiled or graphed; without one, as in a bare forward, the counts are read on
+        # the host, where the launches are sized to them: the same bits), and decided for the run,
+        # both sides of any late switch: a rule read at the step's progress would be a guard on it
+        # under torch.compile, a recompile at the switch
         # (a BF16-forward evaluation runs every GEMM in BF16 and is never graphed: host counts)
         if (self.recipe is None or not self.counts_kept or self.context.seeds is None or self.context.collect
                 or self.context.forward_bf16):

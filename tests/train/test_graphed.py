@@ -245,7 +245,12 @@ def test_an_eager_run_with_device_seeds_is_the_host_counts_run_bit_for_bit(token
     (FP4LAB_DEVICE_COUNTS=0: no table) bit for bit, with gradient accumulation: every train loss
     and evaluation."""
     from fp4lab.train.loop import train
+    from fp4lab.train.run import setup
     moe = dict(model="moe-tiny", grad_accum=2, recipe_overrides={"keep_first": 0, "keep_last": 0})
+    run = setup(_config(token_file, tmp_path / "setup", **moe))
+    assert run.context.seeds is not None and run.model.moe_layers()[0].experts._fp4_counts_kept(
+        run.device, torch.bfloat16)  # (else both arms would read host counts)
+    del run
     monkeypatch.setenv("FP4LAB_DEVICE_COUNTS", "0")
     plain = train(_config(token_file, tmp_path / "plain", **moe))
     monkeypatch.delenv("FP4LAB_DEVICE_COUNTS")
