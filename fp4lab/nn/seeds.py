@@ -58,13 +58,22 @@ class SeedTable:
     object it would have to trace)."""
 
     def __init__(self, device: torch.device | str, capacity: int = 4096):
-        self.index = next(_NEXT_INDEX)
-        _TABLES[self.index] = self
+        self._register()
         self.values = torch.zeros(capacity, dtype=torch.int64, device=device)
         self.specs: list[tuple[int, int, int, int, int]] = []  # (recipe seed, layer, rank, gemm, side) per slot
         self._index: dict[tuple[int, int, int, int, int], int] = {}
         self._columns = _SpecColumns()
         self.tick = 0
+
+    def _register(self) -> None:
+        self.index = next(_NEXT_INDEX)
+        _TABLES[self.index] = self
+
+    def __setstate__(self, state: dict) -> None:
+        # a copy (copy, deepcopy, pickle) is a table of its own: its own index, registered, so the
+        # ops never reach the original through the copy's index
+        self.__dict__.update(state)
+        self._register()
 
     def seed(self, recipe_seed: int, layer: int, rank: int, gemm: int, side: int) -> torch.Tensor:
         """The slot of this seed: a one-element view of the buffer holding its value at the tick."""

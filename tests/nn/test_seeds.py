@@ -186,3 +186,16 @@ def test_the_stiction_meters_weight_leaves_the_table_as_it_was(monkeypatch):
     recipe = nvfp4().override({"fprop.b.dither": 0.5, "dgrad.b.dither": 0.5})  # (a dithered weight draws a seed)
     q = fprop_weight(torch.randn(32, 64), recipe, name="a", context=context)
     assert q is not None and fills == [] and context.collect and context.tick == 5 and context.seeds is table
+
+
+def test_a_copied_table_is_a_table_of_its_own():
+    """A deepcopy (a copied model's context) or a pickle gets its own index, registered: the ops
+    reach the copy through it, never the original."""
+    import copy
+    import pickle
+    from fp4lab.nn.seeds import table_at
+    table = SeedTable("cpu", capacity=4)
+    table.slot(1, 2, 0, 0, 97)
+    for twin in (copy.deepcopy(table), pickle.loads(pickle.dumps(table))):
+        assert twin.index != table.index and table_at(twin.index) is twin and table_at(table.index) is table
+        assert twin.specs == table.specs and torch.equal(twin.values, table.values)
