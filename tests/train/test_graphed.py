@@ -203,7 +203,8 @@ def test_eager_fp4_experts_get_device_seeds_where_their_counts_can_stay_there(mo
     routing's counts on the device (which they do only with a SeedTable: else each MoE projection
     reads them on the host); not dense eager models, BF16 experts, a CPU run or FP4LAB_DEVICE_COUNTS=0."""
     from fp4lab.train.run import seeds_on_device
-    monkeypatch.setenv("FP4LAB_BACKEND", "triton")  # (the kernels' rule as on a GPU: interpreted here)
+    monkeypatch.setenv("FP4LAB_BACKEND", "triton")  # (the kernels' rule as on a GPU: interpreted here,
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the models' weights on the CPU, on a GPU host too)
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     models = {}
     for name, recipe in (("moe", "nvfp4"), ("dense", "nvfp4"), ("moe_bf16", None)):
