@@ -45,10 +45,11 @@ def _merge(payload: dict, rows: dict, pair: dict) -> None:
         payload["pair_over_two_copies"] = {**old.get("pair_over_two_copies", {}), **pair}
         return
     if old:
-        stem, n = f"quantize_{old.get('git', 'unknown')}", 1
-        while (RESULTS / f"{stem}{'' if n == 1 else f'_{n}'}.json").exists():
+        stem = f"quantize_{old.get('git', 'unknown')}"
+        kept, n = RESULTS / f"{stem}.json", 1
+        while kept.exists():
             n += 1
-        kept = RESULTS / f"{stem}{'' if n == 1 else f'_{n}'}.json"
+            kept = RESULTS / f"{stem}_{n}.json"
         kept.write_text(path.read_text())
         print(f"quantize.json held another run's cases ({old.get('git')}, {old.get('device')}): kept as {kept.name}")
 
