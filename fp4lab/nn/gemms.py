@@ -44,7 +44,7 @@ exactly), the training ``progress`` (for ``bf16_after``), and operand statistics
 ``gemms_forward`` and ``gemms_backward`` are the two halves, shared by the autograd function here
 and the custom ops of nn.ops (what torch.compile traces).
 
-Public: ``QuantContext``, ``Call``, ``make_call``, ``call_at``, ``layer_key``, ``compute_dtype``,
+Public: ``QuantContext``, ``Call``, ``make_call``, ``layer_calls``, ``call_at``, ``layer_key``, ``compute_dtype``,
 ``gemms_forward``, ``gemms_backward``, ``fp4_gemms``, ``counts_stay_on_device``.
 """
 
@@ -100,6 +100,9 @@ class QuantContext:
     with grouped experts: its compiled forward may break into a frame per block (routing read on
     the host), and a traced layer drawing seeds is compiled per layer key, so past dynamo's
     recompile limit the later blocks would run eagerly; the opaque ops share one compilation."""
+    kept_calls: dict = field(default_factory=dict, repr=False, compare=False)
+    """The layers' Calls where they do not change with the tick (``layer_calls``): made once per layer
+    and recipe in force, not at every step."""
     clock: torch.Tensor = field(init=False, repr=False, compare=False)
     """[tick, progress] as a float64 CPU tensor, kept equal to the two fields: what the custom ops
     read, so a compiled model sees a tensor that changes rather than Python numbers to guard on
@@ -122,7 +125,7 @@ class Call:
 
     recipe: Recipe
     name: str
-    root: int  # derive_seed(recipe.seed, layer, tick[, rank])
+    root: int | None  # derive_seed(recipe.seed, layer, tick[, rank]); None with a SeedTable (never read)
     stats: dict[str, dict[str, float]] | None
     layer: int = 0
     rank: int = 0
@@ -329,6 +332,27 @@ def make_call(recipe: Recipe, name: str, context: QuantContext) -> Call:
     return call
 
 
+def layer_calls(recipe: Recipe, names: list[str], context: QuantContext) -> list[Call]:
+    """[make_call(recipe, n, context) for n in names], the Calls of a layer's groups (one for a
+    dense layer, one per expert). Where every seed is a slot of the context's SeedTable, a Call
+    holds nothing that changes with the tick (the table refills its slots), so the list is made
+    once per layer and recipe in force and kept on the context: an MoE projection's 64 experts
+    would otherwise cost 64 Calls, names hashed and seeds derived, at every step. Their ``root``
+    is None there (a seed taken from it would be a bug, and fails loudly)."""
+    seeds = context.seeds
+    if seeds is None or context.collect or context.forward_bf16:
+        return [make_call(recipe, n, context) for n in names]
+    switched = recipe.bf16_after is not None and context.progress >= recipe.bf16_after
+    key = (names[0], len(names), id(recipe), switched, context.rank, seeds.index)
+    kept = context.kept_calls.get(key)
+    if kept is None or kept[0] is not recipe or kept[1] is not seeds:  # (ids of freed objects reused)
+        in_force = recipe.at_progress(context.progress)
+        made = [Call(recipe=in_force, name=n, root=None, stats=None, layer=layer_key(n), rank=context.rank,
+                     seeds=seeds) for n in names]
+        kept = context.kept_calls[key] = (recipe, seeds, made)
+    return kept[2]
+
+
 def call_at(recipe: Recipe, layer: int, tick: int, progress: float, rank: int, *, name: str = "",
             stats: dict[str, dict[str, float]] | None = None, seeds: SeedTable | None = None) -> Call:
     """The Call of the layer keyed ``layer`` at ``tick`` and ``progress``, on data-parallel ``rank``
@@ -453,7 +477,7 @@ def gemms_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     live = _live(sizes, grouped)
     live_calls = [calls[g] for g in live]
     xs = _split(x, sizes, live, grouped)
-    w_src = [calls[g].weight_source(weight[g]) for g in live]
+    w_src = None  # each group's weight as fprop quantizes it (_weight_sources), made where used
     fprop = calls[0].recipe.fprop
     saved = {}
     # ---- fprop: y = x @ W^T, contraction over K
@@ -461,7 +485,9 @@ def gemms_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if fprop.emulated:
         # every expert's weights at once where all have rows (the weight as it is: a dithered one is refused)
         w_fprop = grouped and _fprop_weights_at_once(weight, live_calls)
-        w_fprop = w_fprop or [calls[g].operand(w, 1, "fprop", "b") for g, w in zip(live, w_src)]
+        if not w_fprop:
+            w_src = _weight_sources(weight, calls, live)
+            w_fprop = [calls[g].operand(w, 1, "fprop", "b") for g, w in zip(live, w_src)]
         a = grouped and _all_at_once(x, _rows(sizes, live), live_calls, "fprop", "a")
         if not grouped and keep_x and calls[0].recipe.wgrad.emulated:
             pair = calls[0].operand_pair(x, ("fprop", "a"), ("wgrad", "b"), (_tensor_scale(w_fprop), None))
@@ -473,15 +499,24 @@ def gemms_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     elif grouped and _bf16_grouped(x, weight, calls):
         y = torch._grouped_mm(x.contiguous(), weight.contiguous().transpose(-2, -1), offs=_offsets(sizes, x.device))
     elif grouped:
+        w_src = _weight_sources(weight, calls, live)
         y = torch.cat([F.linear(xg, w) for xg, w in zip(xs, w_src)]) if live else x.new_zeros(
             x.shape[0], weight.shape[1])
     else:
+        w_src = _weight_sources(weight, calls, live)
         y = F.linear(x, w_src[0], bias)
-    if keep:
-        saved["w_src"] = w_src if fprop.b.dither else None  # dithered copies (else weight[g] itself)
+    if keep:  # dithered copies (else weight[g] itself)
+        saved["w_src"] = (w_src or _weight_sources(weight, calls, live)) if fprop.b.dither else None
         reuse = w_fprop is not None and calls[0].dgrad_reuses_fprop_weight()
         saved["w_values"] = w_fprop if reuse else None
     return y, saved
+
+
+def _weight_sources(weight: torch.Tensor, calls: list[Call], live: list[int]) -> list[torch.Tensor]:
+    """Each live group's weight as fprop and dgrad quantize it (Call.weight_source: dithered where
+    the recipe asks). Made only where a per-group path reads them: a grouped launch takes the
+    [G, N, K] weight whole, and 64 experts' views cost 64 torch calls, forward and backward."""
+    return [calls[g].weight_source(weight[g]) for g in live]
 
 
 def gemms_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, sizes: list[int], calls: list[Call],
@@ -492,7 +527,7 @@ def gemms_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, size
     saved = saved or {}
     live = _live(sizes, grouped)
     live_calls = [calls[g] for g in live]
-    w_src = saved.get("w_src") or [calls[g].weight_source(weight[g]) for g in live]
+    w_src = saved.get("w_src")  # (None: made where used, _weight_sources)
     w_values = saved.get("w_values")
     if w_values is None and need_dx and grouped and calls[0].dgrad_reuses_fprop_weight():
         # nothing kept (a caller that saved nothing; nn.ops keeps them where every expert has rows):
@@ -511,6 +546,7 @@ def gemms_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, size
         elif w_values is not None:
             w_ops = [v.transposed(k) for v in w_values]
         else:
+            w_src = w_src or _weight_sources(weight, calls, live)
             w_ops = [calls[g].operand(w, 0, "dgrad", "b") for g, w in zip(live, w_src)]
     # a dense layer quantizing dy for both dgrad and wgrad reads it once for both copies
     dy_pair = (not grouped and need_dx and need_dw and dgrad.emulated and wgrad.emulated

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ..formats import FP4Tensor
-from .gemms import QuantContext, compute_dtype, fp4_gemms, layer_key, make_call
+from .gemms import QuantContext, compute_dtype, fp4_gemms, layer_calls, layer_key, make_call
 from .ops import LayerKeys, RecipeSlot, as_recipe, fp4_gemms_op
 from .recipe import Recipe
 
@@ -112,8 +112,7 @@ def _autocast_off(device_type: str):
 
 def _gemms_with_calls(x, weight, bias, sizes, recipe, names, context, grouped):
     """The autograd Function's path: each layer's Call (its seeds at the context's tick) made here."""
-    calls = [make_call(as_recipe(recipe), n, context) for n in names]
-    return fp4_gemms(x, weight, bias, sizes, calls, grouped=grouped)
+    return fp4_gemms(x, weight, bias, sizes, layer_calls(as_recipe(recipe), names, context), grouped=grouped)
 
 
 # Compiled, a layer that collects statistics or runs its BF16-forward evaluation takes the eager

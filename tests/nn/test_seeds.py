@@ -199,3 +199,34 @@ def test_a_copied_table_is_a_table_of_its_own():
     for twin in (copy.deepcopy(table), pickle.loads(pickle.dumps(table))):
         assert twin.index != table.index and table_at(twin.index) is twin and table_at(table.index) is table
         assert twin.specs == table.specs and torch.equal(twin.values, table.values)
+
+
+def test_with_a_table_a_layers_calls_are_made_once_per_recipe_in_force():
+    """nn.gemms.layer_calls: with every seed a SeedTable slot, an MoE projection's Calls hold nothing
+    that changes with the tick, so they are made once and kept (their root, never read, is None);
+    after a late switch the switched recipe's own; fresh ones at every tick where the step
+    collects statistics, evaluates with BF16 GEMMs or has no table."""
+    from fp4lab.nn.gemms import layer_calls, make_call
+    from fp4lab.nn.linear import expert_names
+    recipe = nvfp4().override({"bf16_after": 0.5})
+    names = expert_names("blocks.1.ffn.experts", 4, "gate")
+    context = QuantContext(tick=3, rank=2, seeds=SeedTable("cpu", capacity=8))
+    first = layer_calls(recipe, names, context)
+    context.tick = 4
+    assert layer_calls(recipe, names, context) is first and all(c.root is None for c in first)
+    made = [make_call(recipe, n, context) for n in names]
+    assert [(c.recipe, c.name, c.layer, c.rank, c.seeds) for c in first] == [
+        (c.recipe, c.name, c.layer, c.rank, c.seeds) for c in made]
+    assert [int(c.seed("wgrad", "a")) for c in first] == [int(c.seed("wgrad", "a")) for c in made]
+    context.progress = 0.75
+    late = layer_calls(recipe, names, context)
+    assert late is not first and late[0].recipe == recipe.at_progress(0.75) and layer_calls(recipe, names, context) is late
+    assert layer_calls(recipe, names[:1], context) is not late  # (another layer)
+    for fresh in (dict(collect=True), dict(forward_bf16=True), dict(seeds=None)):
+        other = QuantContext(tick=4, rank=2, **{"seeds": context.seeds, **fresh})
+        got = layer_calls(recipe, names, other)
+        assert got is not layer_calls(recipe, names, other) and all(c.root is not None for c in got)
+    with pytest.raises(TypeError):  # a root read where there is none: loud
+        Call = type(first[0])
+        Call(**{**{f: getattr(first[0], f) for f in ("recipe", "name", "root", "stats", "layer", "rank")},
+                "seeds": None}).seed("wgrad", "a")
