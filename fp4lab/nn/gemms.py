@@ -332,6 +332,9 @@ def make_call(recipe: Recipe, name: str, context: QuantContext) -> Call:
     return call
 
 
+_KEPT_CALLS = 1024  # layers x recipes in force a context keeps Calls for (a model has a few hundred)
+
+
 def layer_calls(recipe: Recipe, names: list[str], context: QuantContext) -> list[Call]:
     """[make_call(recipe, n, context) for n in names], the Calls of a layer's groups (one for a
     dense layer, one per expert). Where every seed is a slot of the context's SeedTable, a Call
@@ -343,9 +346,13 @@ def layer_calls(recipe: Recipe, names: list[str], context: QuantContext) -> list
     if seeds is None or context.collect or context.forward_bf16:
         return [make_call(recipe, n, context) for n in names]
     switched = recipe.bf16_after is not None and context.progress >= recipe.bf16_after
-    key = (names[0], len(names), id(recipe), switched, context.rank, seeds.index)
+    key = (tuple(names), id(recipe), switched, context.rank)
     kept = context.kept_calls.get(key)
     if kept is None or kept[0] is not recipe or kept[1] is not seeds:  # (ids of freed objects reused)
+        # bounded: a caller making a new recipe object at every call (the functional API) would
+        # otherwise add an entry a call, and entries of a replaced table would keep it alive
+        if len(context.kept_calls) >= _KEPT_CALLS or any(k[1] is not seeds for k in context.kept_calls.values()):
+            context.kept_calls.clear()
         in_force = recipe.at_progress(context.progress)
         made = [Call(recipe=in_force, name=n, root=None, stats=None, layer=layer_key(n), rank=context.rank,
                      seeds=seeds) for n in names]

@@ -230,3 +230,22 @@ def test_with_a_table_a_layers_calls_are_made_once_per_recipe_in_force():
         Call = type(first[0])
         Call(**{**{f: getattr(first[0], f) for f in ("recipe", "name", "root", "stats", "layer", "rank")},
                 "seeds": None}).seed("wgrad", "a")
+
+
+def test_the_kept_calls_stay_bounded_and_let_a_replaced_table_go():
+    """A caller making a new recipe object at every call (the functional API) cannot grow the
+    context's kept Calls without bound, and a table the context no longer holds is not kept alive
+    by them."""
+    import gc
+    import weakref
+    from fp4lab.nn import gemms
+    context = QuantContext(seeds=SeedTable("cpu", capacity=8))
+    for tick in range(gemms._KEPT_CALLS + 5):
+        context.tick = tick
+        gemms.layer_calls(nvfp4().override({"bf16_after": 0.9}), ["a"], context)
+    assert len(context.kept_calls) <= gemms._KEPT_CALLS
+    old = weakref.ref(context.seeds)
+    context.seeds = SeedTable("cpu", capacity=8)
+    gemms.layer_calls(nvfp4(), ["a"], context)
+    gc.collect()
+    assert old() is None and len(context.kept_calls) == 1
