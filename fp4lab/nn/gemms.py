@@ -100,7 +100,7 @@ class QuantContext:
     with grouped experts: its compiled forward may break into a frame per block (routing read on
     the host), and a traced layer drawing seeds is compiled per layer key, so past dynamo's
     recompile limit the later blocks would run eagerly; the opaque ops share one compilation."""
-    kept_calls: dict = field(default_factory=dict, repr=False, compare=False)
+    kept_calls: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     """The layers' Calls where they do not change with the tick (``layer_calls``): made once per layer
     and recipe in force, not at every step."""
     clock: torch.Tensor = field(init=False, repr=False, compare=False)
