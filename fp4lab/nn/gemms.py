@@ -345,8 +345,7 @@ def layer_calls(recipe: Recipe, names: list[str], context: QuantContext) -> list
     seeds = context.seeds
     if seeds is None or context.collect or context.forward_bf16:
         return [make_call(recipe, n, context) for n in names]
-    switched = recipe.bf16_after is not None and context.progress >= recipe.bf16_after
-    key = (tuple(names), id(recipe), switched, context.rank)
+    key = (tuple(names), id(recipe), recipe.switched_at(context.progress), context.rank)
     kept = context.kept_calls.get(key)
     if kept is None or kept[0] is not recipe or kept[1] is not seeds:  # (ids of freed objects reused)
         # bounded: a caller making a new recipe object at every call (the functional API) would

@@ -264,10 +264,14 @@ class Recipe:
         first = min(_round_half_up(n_blocks * f_first), total)
         return first, total - first
 
+    def switched_at(self, progress: float) -> bool:
+        """Whether ``progress`` is past the late switch to BF16 (``bf16_after``)."""
+        return self.bf16_after is not None and progress >= self.bf16_after
+
     def at_progress(self, progress: float) -> "Recipe":
         """The recipe in force at ``progress`` (fraction of training done): BF16 GEMMs after
         ``bf16_after`` per ``bf16_scope``."""
-        if self.bf16_after is None or progress < self.bf16_after:
+        if not self.switched_at(progress):
             return self
         gemms = {Bf16Scope.ALL: GEMMS, Bf16Scope.FORWARD: ("fprop",),
                  Bf16Scope.BACKWARD: ("dgrad", "wgrad")}[self.bf16_scope]
