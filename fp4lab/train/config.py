@@ -21,8 +21,8 @@ from typing import Any
 from ..typecheck import field_types, fits, type_name
 
 
-_NOT_IDENTITY = ("out", "progress", "ckpt_every", "compile", "cuda_graph", "deterministic", "stop_at", "threads",
-                 "parallel")
+_NOT_IDENTITY = ("out", "progress", "ckpt_every", "compile", "cpp_wrapper", "cuda_graph", "deterministic", "stop_at",
+                 "threads", "parallel")
 
 
 def config_identity(values: dict[str, Any]) -> dict[str, Any]:
@@ -96,6 +96,11 @@ class TrainConfig:
     breaks the graph at each MoE block. On CUDA the run's seeds go in a SeedTable
     (train.run.seeds_on_device), so a dense FP4 layer takes the traced ops where nn.ops.traceable
     allows (Inductor makes their kernel launches)."""
+    cpp_wrapper: bool = False
+    """With compile: Inductor's C++ wrapper launches the compiled graph's kernels from C++ rather than
+    from its generated Python, which a compiled FP4 step's thousand launches wait on (d12 on an
+    H100: 1.41x of compiled BF16 with the Python wrapper, 1.33x with this; benchmarks/NOTES.md,
+    twenty-ninth session). The first steps compile for several minutes longer. Same math."""
     cuda_graph: bool = False
     """Replay each step's forward and backward from one CUDA graph (train.graphed), the step's seeds
     read from device memory (nn.seeds); clipping, the divergence check and the optimizers stay
@@ -141,6 +146,9 @@ class TrainConfig:
             raise ValueError(f"training setting schedule={self.schedule!r} must be one of {', '.join(SCHEDULES)}")
         if self.parallel not in PARALLEL:
             raise ValueError(f"training setting parallel={self.parallel!r} must be one of {', '.join(PARALLEL)}")
+        if self.cpp_wrapper and not self.compile:
+            raise ValueError("training setting cpp_wrapper=true is how a compiled step launches its kernels: "
+                             "it needs compile=true")
         if self.cuda_graph and self.grad_accum != 1:
             raise ValueError(f"training setting cuda_graph=true replays one micro-batch per step: grad_accum must be 1, "
                              f"got {self.grad_accum}")
@@ -150,8 +158,8 @@ class TrainConfig:
 
     def identity(self) -> dict[str, Any]:
         """The settings that make the run what it is: to_dict without where it is written and how it
-        is driven (progress bars, checkpoint cadence, compile, a stop, threads, DDP or FSDP). A checkpoint
-        resumes, and a study reuses a finished run, only when these match."""
+        is driven (progress bars, checkpoint cadence, compile and its wrapper, a stop, threads, DDP or
+        FSDP). A checkpoint resumes, and a study reuses a finished run, only when these match."""
         return config_identity(self.to_dict())
 
     def with_overrides(self, changes: dict[str, Any]) -> "TrainConfig":

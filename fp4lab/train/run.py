@@ -183,7 +183,7 @@ def setup(cfg: TrainConfig) -> Run:
         # seeds, autocast's cast cache, evaluation) would count toward dynamo's recompile limit,
         # past which a frame runs eager, a graphed step's capture included
         torch.compiler.reset()
-        runner = torch.compile(runner)
+        runner = torch.compile(runner, options={"cpp_wrapper": True} if cfg.cpp_wrapper else None)
     if context.seeds is None and seeds_on_device(model, device, compiled=cfg.compile):
         context.seeds = SeedTable(device)
     # what a checkpoint must match to be resumed; steps stays in: another budget is another schedule.

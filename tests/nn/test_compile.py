@@ -319,3 +319,19 @@ def test_a_compiled_layer_on_the_eager_path_is_not_recompiled_by_a_new_recipe():
         for tick in range(1, 10):  # nor does the step: the traced frame reads no tick (the limit is 8)
             layer.context.tick = tick
             compiled(x)
+
+
+def test_inductors_cpp_wrapper_gives_its_python_wrappers_bits():
+    """TrainConfig.cpp_wrapper compiles with Inductor's C++ wrapper: the same kernels launched from
+    C++, so the same losses and gradients at every tick as the Python wrapper's graph (the FP4 ops
+    called back from C++ included)."""
+    runs = []
+    for options in (None, {"cpp_wrapper": True}):
+        torch._dynamo.reset()
+        model = _model("nvfp4")
+        compiled = torch.compile(model, options=options)
+        runs.append([_loss_and_grads(model, compiled, tick) for tick in (0, 1)])
+    for (want_loss, want), (got_loss, got) in zip(*runs):
+        assert torch.equal(got_loss, want_loss)
+        for name in want:
+            assert torch.equal(got[name], want[name]), name

@@ -351,3 +351,15 @@ def test_a_compiled_run_compiles_its_own_graphs(token_file, tmp_path, monkeypatc
     assert not resets
     result = train(_cfg(token_file, tmp_path / "compiled", steps=2, eval_every=2, compile=True))
     assert result.status == "ok" and resets == [0]
+
+
+def test_the_cpp_wrapper_setting_reaches_inductor_and_needs_compile(token_file, tmp_path, monkeypatch):
+    import torch
+    asked = []
+    monkeypatch.setattr(torch, "compile", lambda model, **kw: (asked.append(kw), model)[1])
+    assert train(_cfg(token_file, tmp_path / "run", steps=1, eval_every=1, compile=True,
+                      cpp_wrapper=True)).status == "ok"
+    assert asked == [{"options": {"cpp_wrapper": True}}]
+    with pytest.raises(ValueError, match="cpp_wrapper=true .* needs compile=true"):
+        _cfg(token_file, tmp_path / "other", cpp_wrapper=True)
+    assert "cpp_wrapper" not in _cfg(token_file, tmp_path / "x", compile=True, cpp_wrapper=True).identity()
