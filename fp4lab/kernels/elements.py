@@ -3,9 +3,9 @@
 Each helper computes exactly what its reference twin computes, so the kernels built from them
 are byte-identical to fp4lab.formats (tested exhaustively under TRITON_INTERPRET=1):
 
-    e2m1_rtne(v)          0 <= v <= 6 fp32 -> magnitude code, ties to even. For v >= 1 the code is
-                          the fp32 exponent and top mantissa bit, bits >> 22, minus 252, after
-                          rounding the 22 dropped bits to even; below 1 it is [v > .25] + [v >= .75]
+    e2m1_rtne(v)          0 <= v <= 6 fp32 -> magnitude code, ties to even: the grid steps v + c
+                          rounds to above c (c as in e2m1_rtne_value below), two codes on per
+                          binade above [0, 2)
     e2m1_stochastic(v, r) the same split, rounding up iff r / 256 < dropped fraction: for v >= 1,
                           (r << 14) < the 22 dropped bits; below 1, r < (2v - floor(2v)) * 256 --
                           codes._shift_round's rule, up-probability ceil(256 frac) / 256
@@ -85,10 +85,12 @@ def compile_arch() -> int:
 @triton.jit
 def e2m1_rtne(v):
     """v: fp32 magnitudes in [0, 6] -> int32 codes 0..7."""
-    bits = v.to(tl.int32, bitcast=True)
-    normal = ((bits + 0x1FFFFF + ((bits >> 22) & 1)) >> 22) - 252
-    subnormal = (v > 0.25).to(tl.int32) + (v >= 0.75).to(tl.int32)
-    return tl.where(bits >= 0x3F800000, normal, subnormal)
+    # v + c is v rounded to the grid (e2m1_rtne_value's c: 2^22, 2^23 or 2^24), its low significand
+    # bits the grid steps above c (0-4 in [0, 2), 2-4 in [2, 4), 2-3 in [4, 6]); each binade above
+    # [0, 2) starts two codes on, which c's exponent gives: (c_bits >> 22) is 298, 300 or 302
+    c_bits = tl.maximum(v.to(tl.int32, bitcast=True) & 0x7F800000, 0x3F800000) + (22 << 23)
+    steps = (v + c_bits.to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True) & 7
+    return steps + ((c_bits >> 22) - 298)
 
 
 @triton.jit

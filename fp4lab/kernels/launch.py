@@ -21,6 +21,10 @@ settings are part of the signature too. What a cached launch does not repeat is 
 that the globals a kernel reads still hold their compile-time values: fp4lab's are constants
 set at import (the E4M3 form, the rule numbers).
 
+A cached launch hands the launcher no metadata and no hooks while Triton's launch hooks are empty
+chains (none registered, as in a training run): Triton's own launch builds the metadata and calls
+both empty chains at every launch. With a hook registered (a profiler's), it does what Triton does.
+
 ``cached_kernel.bind(**constexprs)`` fixes the keywords once, for a plan that makes the same
 launch every step (kernels.quantize, kernels.matmul): ``bound[grid](*args)`` launches as the
 keyword call would, without keying the keywords again at each call. It shares the keyword call's
@@ -173,9 +177,13 @@ class _Cached:
         # what CompiledKernel[grid](*args, stream=stream) runs, without making its closure each call
         grid = (*grid, 1, 1)
         args = (*args, *tail)
-        metadata = compiled.launch_metadata(grid[:3], stream, *args)
+        enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+        if _silent(enter) and _silent(leave):  # (the launcher calls no hook given None)
+            metadata = enter = leave = None
+        else:  # a profiler's hooks get what Triton's own launch gives them
+            metadata = compiled.launch_metadata(grid[:3], stream, *args)
         compiled.run(grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata, metadata,
-                     knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *args)
+                     enter, leave, *args)
         return compiled
 
     def _tail(self, given: int, kwargs: dict) -> tuple | None:
@@ -194,6 +202,14 @@ class _Cached:
             else:
                 return None
         return tuple(tail)
+
+
+def _silent(hook) -> bool:
+    """Whether a Triton launch hook would do nothing: None, or an empty chain. Triton 3.6 and 3.9
+    keep both hooks as chains (``knobs.HookChain``), never None, so its own launch builds each
+    launch's metadata (a dict of the kernel's name, handle and stream) and its launcher calls both
+    empty chains from C: a few microseconds a launch that no one reads."""
+    return hook is None or getattr(hook, "calls", None) == []
 
 
 class _Bound:

@@ -482,7 +482,7 @@ def _quantize_tile(x, rows, local, col_base, group, amax_at, seed_of, lp_of, cod
             code = e2m1_stochastic(mag, rand)
         else:
             code = e2m1_rtne(mag)
-        code = tl.where(bad[:, :, None] > 0, 0, code | (((vbits >> 31) & 1) << 3))
+        code = tl.where(bad[:, :, None] > 0, 0, code | ((vbits >> 28) & 8))  # (bit 3: the sign)
         sbyte = tl.where(bad > 0, nan_byte, sbyte)
         packed = pack_nibble_pairs(tl.reshape(code, (BR, BC)), BR, BC)
         pcols = pid_c * (BC // 2) + tl.arange(0, BC // 2)

@@ -15,8 +15,8 @@ from fp4lab.formats import codes as C  # noqa: E402
 from fp4lab.formats.rng import philox4x32, random_bytes  # noqa: E402
 from fp4lab.kernels.elements import (_e4m3_rtne_integer, _e4m3_value_integer,  # noqa: E402
                                      _one_plus_rounded_up, _one_plus_rounded_up_fast2sum, e2m1_rtne,
-                                     e2m1_rtne_value, e2m1_stochastic, e2m1_stochastic_value, e4m3_rtne,
-                                     e4m3_value, group_of, philox_bytes, to_bf16_rtne)
+                                     e2m1_rtne_value, e2m1_stochastic, e2m1_stochastic_value, e2m1_value,
+                                     e4m3_rtne, e4m3_value, group_of, philox_bytes, to_bf16_rtne)
 
 from ..checkout import subprocess_env  # noqa: E402
 
@@ -77,19 +77,20 @@ def _philox_kernel(out_ptr, seed, G: tl.constexpr):
 
 
 @triton.jit
-def _grid_values_kernel(v_ptr, r_ptr, rtne_ptr, sr_ptr, n, BLOCK: tl.constexpr):
+def _grid_values_kernel(v_ptr, r_ptr, rtne_ptr, sr_ptr, code_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
     v = tl.load(v_ptr + offs, mask=m, other=0.0)
     r = tl.load(r_ptr + offs, mask=m, other=0).to(tl.int32)
     tl.store(rtne_ptr + offs, e2m1_rtne_value(v), mask=m)
     tl.store(sr_ptr + offs, e2m1_stochastic_value(v, r), mask=m)
+    tl.store(code_ptr + offs, e2m1_rtne(v), mask=m)
 
 
 def test_grid_values_are_the_decoded_codes():
-    """e2m1_*_value(v) = the value of e2m1_*(v)'s code, for fp32 magnitudes (a kernel's x * e_b is
-    any fp32, not only bf16): every bf16 in [0, 6] with all 256 bytes, the grid's midpoints and
-    their fp32 neighbours, and random fp32 bit patterns in [0, 6]."""
+    """e2m1_*_value(v) = the value of e2m1_*(v)'s code, and e2m1_rtne(v) the reference's code, for
+    fp32 magnitudes (a kernel's x * e_b is any fp32, not only bf16): every bf16 in [0, 6] with all
+    256 bytes, the grid's midpoints and their fp32 neighbours, and random fp32 bit patterns in [0, 6]."""
     grid = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6])
     mids = (grid[1:] + grid[:-1]) / 2
     near = torch.cat([mids, torch.nextafter(mids, torch.tensor(0.0)), torch.nextafter(mids, torch.tensor(9.0)),
@@ -102,9 +103,11 @@ def test_grid_values_are_the_decoded_codes():
                    torch.randint(0, 256, (1 << 16,), generator=g, dtype=torch.uint8)])
     n = v.numel()
     rtne, sr = (torch.empty(n, device=DEVICE) for _ in range(2))
-    _grid_values_kernel[(triton.cdiv(n, 4096),)](v.to(DEVICE), r.to(DEVICE), rtne, sr, n, BLOCK=4096)
+    code = torch.empty(n, dtype=torch.int32, device=DEVICE)
+    _grid_values_kernel[(triton.cdiv(n, 4096),)](v.to(DEVICE), r.to(DEVICE), rtne, sr, code, n, BLOCK=4096)
     assert torch.equal(rtne.cpu(), C.decode_e2m1(C.encode_e2m1(v)))
     assert torch.equal(sr.cpu(), C.decode_e2m1(C.encode_e2m1(v, r)))
+    assert torch.equal(code.cpu(), C.encode_e2m1(v).int())
 
 
 def test_stochastic_rounding_below_1_at_its_thresholds():
@@ -122,7 +125,9 @@ def test_stochastic_rounding_below_1_at_its_thresholds():
     x, r = v.repeat_interleave(256), torch.arange(256, dtype=torch.uint8).repeat(v.numel())
     n = x.numel()
     rtne, sr = (torch.empty(n, device=DEVICE) for _ in range(2))
-    _grid_values_kernel[(triton.cdiv(n, 4096),)](x.to(DEVICE), r.to(DEVICE), rtne, sr, n, BLOCK=4096)
+    code = torch.empty(n, dtype=torch.int32, device=DEVICE)
+    _grid_values_kernel[(triton.cdiv(n, 4096),)](x.to(DEVICE), r.to(DEVICE), rtne, sr, code, n, BLOCK=4096)
+    assert torch.equal(code, C.encode_e2m1(x).int().to(DEVICE))
     assert torch.equal(sr.cpu(), C.decode_e2m1(C.encode_e2m1(x, r)))
     _, codes, *_ = run_codes(x, r)
     assert torch.equal(codes, C.encode_e2m1(x, r).int())
@@ -132,13 +137,15 @@ def test_stochastic_rounding_below_1_at_its_thresholds():
 def _forms_mismatch_kernel(mismatch_ptr, n, FORM: tl.constexpr, BLOCK: tl.constexpr):
     """Counts the fp32 patterns 0 .. n - 1 where a helper's GPU form differs from its portable twin:
     FORM 0 e4m3_rtne (the integer form), 1 the rounded-up 1 + v of stochastic rounding below 1
-    (the Fast2Sum form)."""
+    (the Fast2Sum form), 2 e2m1_rtne's code against e2m1_rtne_value's grid value."""
     bits = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     v = bits.to(tl.float32, bitcast=True)
     if FORM == 0:
         bad = e4m3_rtne(v) != _e4m3_rtne_integer(v)
-    else:
+    elif FORM == 1:
         bad = _one_plus_rounded_up(v) != _one_plus_rounded_up_fast2sum(v)
+    else:
+        bad = e2m1_value(e2m1_rtne(v)) != e2m1_rtne_value(v)
     tl.atomic_add(mismatch_ptr, tl.sum((bad & (bits < n)).to(tl.int32)))
 
 
@@ -153,6 +160,13 @@ def test_the_gpus_rounded_up_add_is_the_integer_form_on_every_fp32_below_1():
     """Compiled for a GPU, SR below 1 takes 1 + v from one add.rp; the Fast2Sum form (what the
     interpreter runs, tested against the reference above) must agree on every v in [0, 1)."""
     assert _mismatches(0x3F800000, form=1) == 0  # (fp32(1)'s bits, exclusive)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="every fp32 in [0, 6] is a GPU's minute, not a CPU's")
+def test_the_rtne_code_is_the_grid_value_on_every_fp32_up_to_6():
+    """Compiled for a GPU, e2m1_rtne's code decodes to e2m1_rtne_value on every fp32 in [0, 6]
+    (the value path is the reference's on the sets above; this covers every other fp32)."""
+    assert _mismatches(0x40C00001, form=2) == 0  # (fp32(6)'s bits, inclusive)
 
 
 def test_philox_bytes_match_rng():

@@ -29,11 +29,12 @@ class _Compiled:
         self.loaded = True
 
     def launch_metadata(self, grid, stream, *args):
-        return None
+        return {"grid": grid, "stream": stream}
 
     def run(self, g0, g1, g2, stream, function, packed, metadata, enter, exit_hook, *args):
         assert self.loaded and function == self.function and packed == self.packed_metadata
         self.log.append(("direct", (g0, g1, g2), args, stream))
+        self.hooks = (metadata, enter, exit_hook)
 
 
 class _Kernel:
@@ -73,6 +74,26 @@ def test_a_repeated_signature_launches_the_compiled_kernel_directly(kernel):
     assert [entry[0] for entry in kernel.log] == ["triton", "direct"]
     # positional arguments, then the constexprs in parameter order (a default filled in), grid in 3-D
     assert kernel.log[1] == ("direct", (8, 2, 1), (y, 96, 16, True), 1234)
+
+
+def test_a_cached_launch_skips_empty_hook_chains_and_calls_registered_hooks(kernel):
+    from triton import knobs
+    fast = launch.cached(kernel)
+    x = torch.zeros(64)
+    compiled = fast[(4,)](x, 64, BLOCK=16)
+    assert fast[(4,)](x, 64, BLOCK=16) is compiled and compiled.hooks == (None, None, None)
+    hook = knobs.runtime.launch_enter_hook
+    seen = lambda metadata: None  # noqa: E731
+    if not hasattr(hook, "add"):  # (a Triton whose hooks are plain callables)
+        pytest.skip("this Triton keeps no hook chains")
+    hook.add(seen)
+    try:
+        fast[(4,)](x, 64, BLOCK=16)
+        metadata, enter, leave = compiled.hooks
+        assert metadata == {"grid": (4, 1, 1), "stream": 1234} and enter is hook
+        assert leave is knobs.runtime.launch_exit_hook
+    finally:
+        hook.remove(seen)
 
 
 @pytest.mark.parametrize("change", ["alignment", "dtype", "int_one", "int_16", "int_64_bit", "int_u64", "constexpr",
