@@ -23,6 +23,9 @@ from .host import cdiv, sm_count, zeroed_int32
 from .launch import cached
 
 GROUPED_TILE = (32, 128)  # (rows, columns) per program of the grouped pass
+# the tensor-wide pass: elements a program reads per iteration, programs per SM, warps a program
+# (benchmarks/sweep_amax.py times others; any of them gives the same bits: max is order-free)
+AMAX_LAUNCH = (2048, 4, 4)
 
 
 @cached  # (launched through kernels.launch)
@@ -53,12 +56,13 @@ def _finite_amax(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """x's finite amax as int32 bits, taken by atomic maxima into ``out`` ([1] int32 zeros)."""
     flat = x.reshape(-1) if x.is_contiguous() else x.contiguous().reshape(-1)
     if flat.numel():
-        block = 2048
-        programs = 4 * sm_count(x.device)
+        block, per_sm, warps = AMAX_LAUNCH
+        programs = per_sm * sm_count(x.device)
         chunk = cdiv(cdiv(flat.numel(), programs), block) * block
         bf16 = flat.dtype == torch.bfloat16
         _finite_amax_kernel[(cdiv(flat.numel(), chunk),)](flat.view(torch.int16) if bf16 else flat, out,
-                                                                 flat.numel(), chunk, BF16_BITS=bf16, BLOCK=block)
+                                                                 flat.numel(), chunk, BF16_BITS=bf16, BLOCK=block,
+                                                                 num_warps=warps)
     return out
 
 

@@ -473,16 +473,17 @@ def _quantize_tile(x, rows, local, col_base, group, amax_at, seed_of, lp_of, cod
                  mask=keep & (vcols[None, :] < LP))
     else:
         product = x * e_b[:, :, None]
-        v = tl.minimum(tl.maximum(product, -6.0), 6.0)
-        if SCALE_RULE == NV_TORCHAO:  # 0 * Inf e_b: NaN, which max/min would make -6; the reference's +6
-            v = tl.where(product != product, 6.0, v)
-        vbits = v.to(tl.int32, bitcast=True)
-        mag = (vbits & 0x7FFFFFFF).to(tl.float32, bitcast=True)
+        # |clamp(x e_b, -6, 6)| is min(|x e_b|, 6), one instruction (the absolute value is an
+        # operand modifier); a NaN product (0 * Inf) gives 6, the reference's code 7
+        mag = tl.minimum(tl.abs(product), 6.0)
+        pbits = product.to(tl.int32, bitcast=True)
+        if SCALE_RULE == NV_TORCHAO:  # 0 * Inf e_b: the reference encodes +6, whatever the NaN's sign
+            pbits = tl.where(product != product, 0, pbits)
         if STOCHASTIC:
             code = e2m1_stochastic(mag, rand)
         else:
             code = e2m1_rtne(mag)
-        code = tl.where(bad[:, :, None] > 0, 0, code | ((vbits >> 28) & 8))  # (bit 3: the sign)
+        code = tl.where(bad[:, :, None] > 0, 0, code | ((pbits >> 28) & 8))  # (bit 3: the sign)
         sbyte = tl.where(bad > 0, nan_byte, sbyte)
         packed = pack_nibble_pairs(tl.reshape(code, (BR, BC)), BR, BC)
         pcols = pid_c * (BC // 2) + tl.arange(0, BC // 2)

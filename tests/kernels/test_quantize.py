@@ -170,6 +170,18 @@ def test_amax_pass_ignores_non_finite():
     assert finite_amax(torch.full((3,), math.nan, device=DEVICE)).item() == 0
 
 
+@pytest.mark.parametrize("launch", [(1024, 2, 4), (4096, 16, 8), (128, 1, 1)], ids=str)
+def test_the_amax_pass_gives_the_same_amax_at_any_launch_shape(launch, monkeypatch):
+    """kernels.amax.AMAX_LAUNCH (benchmarks/sweep_amax.py's knob) moves only the work between programs:
+    chunks that end mid-iteration, a last program past the end, one program for all."""
+    from fp4lab.kernels import amax
+    x = hard_input((3, 80, 96), 6, torch.bfloat16)
+    ref = formats.blocks.finite_amax(x)
+    monkeypatch.setattr(amax, "AMAX_LAUNCH", launch)
+    assert finite_amax(x.to(DEVICE)).item() == ref.item()
+    assert finite_amax(x[:, :, :50].to(DEVICE)).item() == formats.blocks.finite_amax(x[:, :, :50]).item()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_dequantize_and_fake_quantize_match(dtype):
     x = hard_input((3, 64, 96), 5)
