@@ -147,8 +147,8 @@ class TrainConfig:
         if self.parallel not in PARALLEL:
             raise ValueError(f"training setting parallel={self.parallel!r} must be one of {', '.join(PARALLEL)}")
         if self.cpp_wrapper and not self.compile:
-            raise ValueError("training setting cpp_wrapper=true is how a compiled step launches its kernels: "
-                             "it needs compile=true")
+            raise ValueError("training setting cpp_wrapper=true is how a compiled step launches its kernels: it "
+                             "needs compile=true (turning compile off, set cpp_wrapper=false too)")
         if self.cuda_graph and self.grad_accum != 1:
             raise ValueError(f"training setting cuda_graph=true replays one micro-batch per step: grad_accum must be 1, "
                              f"got {self.grad_accum}")

@@ -76,16 +76,18 @@ def test_a_repeated_signature_launches_the_compiled_kernel_directly(kernel):
     assert kernel.log[1] == ("direct", (8, 2, 1), (y, 96, 16, True), 1234)
 
 
-def test_a_cached_launch_skips_empty_hook_chains_and_calls_registered_hooks(kernel):
+def test_a_cached_launch_skips_empty_hook_chains_and_calls_registered_hooks(kernel, monkeypatch):
     from triton import knobs
+    hook = knobs.runtime.launch_enter_hook
+    if not hasattr(hook, "add"):  # (a Triton whose hooks are plain callables)
+        pytest.skip("this Triton keeps no hook chains")
+    for chain in (hook, knobs.runtime.launch_exit_hook):  # (empty, whatever the process registered)
+        monkeypatch.setattr(chain, "calls", [])
     fast = launch.cached(kernel)
     x = torch.zeros(64)
     compiled = fast[(4,)](x, 64, BLOCK=16)
     assert fast[(4,)](x, 64, BLOCK=16) is compiled and compiled.hooks == (None, None, None)
-    hook = knobs.runtime.launch_enter_hook
     seen = lambda metadata: None  # noqa: E731
-    if not hasattr(hook, "add"):  # (a Triton whose hooks are plain callables)
-        pytest.skip("this Triton keeps no hook chains")
     hook.add(seen)
     try:
         fast[(4,)](x, 64, BLOCK=16)

@@ -173,7 +173,7 @@ def test_amax_pass_ignores_non_finite():
 @pytest.mark.parametrize("launch", [(1024, 2, 4), (4096, 16, 8), (128, 1, 1)], ids=str)
 def test_the_amax_pass_gives_the_same_amax_at_any_launch_shape(launch, monkeypatch):
     """kernels.amax.AMAX_LAUNCH (benchmarks/sweep_amax.py's knob) moves only the work between programs:
-    chunks that end mid-iteration, a last program past the end, one program for all."""
+    chunks that end mid-iteration, a last chunk past the end, one program for all."""
     from fp4lab.kernels import amax
     x = hard_input((3, 80, 96), 6, torch.bfloat16)
     ref = formats.blocks.finite_amax(x)
