@@ -219,7 +219,8 @@ def _rotated_with_amax(x, seed, RULE: tl.constexpr, ROUND_BF16: tl.constexpr, BR
     _quantize_tile reads). With FROM_PARTS, at 16 points, the amax is taken from the butterfly's
     16 positions before they are joined, inside each thread, rather than by a reduction over the
     joined run; the 1/4 and the bf16 rounding go on once per run: p -> round(|p| / 4) is
-    non-decreasing (and keeps NaN and Inf), so it commutes with the max. The codes quantize wants
+    non-decreasing on finite values and maps NaN and Inf to NaN and Inf (checked over every fp32),
+    so it commutes with the max, the poisoned-block verdict included. The codes quantize wants
     it (sm_90 SASS: 62 -> 42 an element, 102 -> 56 registers, RHT + SR along axis 0); the block
     values' stores want the run's own layout (with it: 52.5 -> 62.8, an extra layout change)."""
     # one return after a constexpr if/else (the compiler goes on past a return in a constexpr branch)

@@ -295,10 +295,18 @@ def capturing() -> bool:
 
 def _group_seeds(calls: list[Call], gemm: str, side: str) -> list[int] | torch.Tensor:
     """[c.seed(gemm, side) for c in calls]: derived for every group in one array pass, or with a
-    SeedTable the groups' slots as one device tensor (what a captured grouped launch reads)."""
-    if calls[0].seeds is not None:
-        return calls[0].seeds.seeds([c.seed_spec(gemm, side) for c in calls])
-    return derive_seeds([c.root for c in calls], GEMMS.index(gemm), ord(side))
+    SeedTable the groups' slots as one device tensor (what a captured grouped launch reads); a
+    layer's kept Calls (layer_calls) keep those slots, looked up once."""
+    table = calls[0].seeds
+    if table is None:
+        return derive_seeds([c.root for c in calls], GEMMS.index(gemm), ord(side))
+    kept = getattr(calls, "slots", None)
+    if kept is None:
+        return table.seeds([c.seed_spec(gemm, side) for c in calls])
+    slots = kept.get((gemm, side))
+    if slots is None:
+        slots = kept[(gemm, side)] = [table.slot(*c.seed_spec(gemm, side)) for c in calls]
+    return table.at_slots(slots)
 
 
 def _drawn_seeds(calls: list[Call], gemm: str, side: str, op) -> list[int] | torch.Tensor:
@@ -353,10 +361,20 @@ def layer_calls(recipe: Recipe, names: list[str], context: QuantContext) -> list
         if len(context.kept_calls) >= _KEPT_CALLS or any(k[1] is not seeds for k in context.kept_calls.values()):
             context.kept_calls.clear()
         in_force = recipe.at_progress(context.progress)
-        made = [Call(recipe=in_force, name=n, root=None, stats=None, layer=layer_key(n), rank=context.rank,
-                     seeds=seeds) for n in names]
+        made = _KeptCalls(Call(recipe=in_force, name=n, root=None, stats=None, layer=layer_key(n), rank=context.rank,
+                               seeds=seeds) for n in names)
         kept = context.kept_calls[key] = (recipe, seeds, made)
     return kept[2]
+
+
+class _KeptCalls(list):
+    """layer_calls' kept Calls, and the SeedTable slots of each operand their groups draw from,
+    (gemm, side) -> a slot per group (_group_seeds): a slot never moves once drawn, so a grouped
+    launch's seeds are the slots read off the table's current buffer, without 64 lookups a step."""
+
+    def __init__(self, calls) -> None:
+        super().__init__(calls)
+        self.slots: dict[tuple[str, str], list[int]] = {}
 
 
 def call_at(recipe: Recipe, layer: int, tick: int, progress: float, rank: int, *, name: str = "",
@@ -481,7 +499,7 @@ def gemms_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     as a device tensor (grouped, where counts_stay_on_device allows it): never read on the host."""
     # x: [S, K], weight: [G, N, K], bias: [N] | None (dense only) -> y: [S, N]
     live = _live(sizes, grouped)
-    live_calls = [calls[g] for g in live]
+    live_calls = calls if len(live) == len(calls) else [calls[g] for g in live]  # (kept: layer_calls)
     xs = _split(x, sizes, live, grouped)
     w_src = None  # each group's weight as fprop quantizes it (_weight_sources), made where used
     fprop = calls[0].recipe.fprop
@@ -532,7 +550,7 @@ def gemms_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, size
     gemms_forward kept (without it, dithered weights are made again from their seeds)."""
     saved = saved or {}
     live = _live(sizes, grouped)
-    live_calls = [calls[g] for g in live]
+    live_calls = calls if len(live) == len(calls) else [calls[g] for g in live]  # (kept: layer_calls)
     w_src = saved.get("w_src")  # (None: made where used, _weight_sources)
     w_values = saved.get("w_values")
     if w_values is None and need_dx and grouped and calls[0].dgrad_reuses_fprop_weight():
@@ -719,4 +737,5 @@ def fp4_gemms(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
     A dense call may also give x as [..., K] and weight as [N, K] (y is then [..., N]): flattened
     inside the autograd function, so no view of them enters the autograd graph."""
     sizes = sizes if isinstance(sizes, torch.Tensor) else list(sizes)
-    return _FP4GemmsFn.apply(x, weight, bias, sizes, list(calls), grouped, torch.is_grad_enabled())
+    calls = calls if isinstance(calls, _KeptCalls) else list(calls)  # (kept ones keep their slots: _group_seeds)
+    return _FP4GemmsFn.apply(x, weight, bias, sizes, calls, grouped, torch.is_grad_enabled())

@@ -108,6 +108,10 @@ class SeedTable:
         slots = [self.slot(*spec) for spec in specs]  # (first: drawing may grow the buffer)
         return _slots_of(self.values, slots)
 
+    def at_slots(self, slots: list[int]) -> torch.Tensor:
+        """Slots already drawn (SeedTable.slot), as one tensor of the current buffer."""
+        return _slots_of(self.values, slots)
+
     def reading(self, values: torch.Tensor) -> "SeedSlots":
         """The table's slots read as views of ``values``: its buffer as a traced op was handed it."""
         return SeedSlots(self, values)

@@ -232,6 +232,38 @@ def test_with_a_table_a_layers_calls_are_made_once_per_recipe_in_force():
                 "seeds": None}).seed("wgrad", "a")
 
 
+def test_kept_calls_keep_their_groups_slots_and_read_the_tables_current_buffer():
+    """A grouped launch's seeds from a layer's kept Calls (gemms._group_seeds): the slots looked up
+    once are the table's own (the values make_call's Calls draw at each tick), still right after
+    the table's buffer grows and moves, and the kept list reaches the autograd Function whole."""
+    from fp4lab.nn import gemms
+    from fp4lab.nn.linear import expert_names
+    recipe = nvfp4()
+    names = expert_names("blocks.1.ffn.experts", 6, "up")
+    context = QuantContext(tick=3, seeds=SeedTable("cpu", capacity=8))
+    kept = gemms.layer_calls(recipe, names, context)
+    for tick in (3, 4):
+        context.tick = tick
+        want = [int(gemms.make_call(recipe, n, context).seed("dgrad", "a")) for n in names]
+        assert gemms._group_seeds(kept, "dgrad", "a").tolist() == want
+        assert list(kept.slots) == [("dgrad", "a")]
+    before = context.seeds.values
+    gemms._group_seeds(kept, "wgrad", "a")  # 12 slots drawn in all: the buffer of 8 grows, and moves
+    assert context.seeds.values is not before
+    context.tick = 5
+    want = [int(gemms.make_call(recipe, n, context).seed("dgrad", "a")) for n in names]
+    assert gemms._group_seeds(kept, "dgrad", "a").tolist() == want
+    assert gemms._group_seeds(list(kept), "dgrad", "a").tolist() == want  # (a plain list: looked up)
+    seen = []
+    real = gemms._FP4GemmsFn.apply
+    gemms._FP4GemmsFn.apply = lambda *args: seen.append(args[4]) or real(*args)
+    try:
+        gemms.fp4_gemms(torch.randn(12, 32), torch.randn(6, 16, 32), None, [2] * 6, kept, grouped=True)
+    finally:
+        gemms._FP4GemmsFn.apply = real
+    assert seen[0] is kept
+
+
 def test_the_kept_calls_stay_bounded_and_let_a_replaced_table_go():
     """A caller making a new recipe object at every call (the functional API) cannot grow the
     context's kept Calls without bound, and a table the context no longer holds is not kept alive
