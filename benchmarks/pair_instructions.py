@@ -74,20 +74,27 @@ def by_source_line(ptx: str) -> collections.Counter:
     return counts
 
 
+def compiled_launches(work, sizes: tuple[str, ...]):
+    """-> [(kernel, {constexpr name: value}, launch options, the compiled kernel)] for each distinct
+    launch ``work()`` makes, compiled for sm_90 with every pointer and the ``sizes`` int arguments
+    16-divisible (what a real launch of a large shape is specialized on; not the recorder's
+    attributes, whose small test shapes may leave a seed slice unaligned)."""
+    out = []
+    for fn, types, constexprs, options, _ in hopper_compile.record(lambda: hopper_compile.launch_only(work)).values():
+        attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
+                 if types[name] != "constexpr" and (types[name].startswith("*") or name in sizes)}
+        kernel = triton.compile(ASTSource(fn=fn, signature=types, constexprs=constexprs, attrs=attrs),
+                                target=hopper_compile.HOPPER, options=options)
+        out.append((fn, {fn.arg_names[i[0]]: v for i, v in constexprs.items()}, options, kernel))
+    return out
+
+
 def count(tensor: str) -> dict[str, dict]:
     rows, columns = PAIRS[tensor]
     x = torch.randn(256, 256, dtype=torch.bfloat16)
-    launches = hopper_compile.record(lambda: hopper_compile.launch_only(
-        quantize.block_values_pair, x, Format.NVFP4, rows=rows, columns=columns, columns_len=256))
     out = {}
-    for fn, types, constexprs, options, _ in launches.values():
-        named = {fn.arg_names[i[0]]: v for i, v in constexprs.items()}
-        # every pointer 16-byte aligned, not the recorder's attributes (a seed slice of these small
-        # test shapes may be unaligned): the counts stay comparable with those published before
-        attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
-                 if types[name] != "constexpr" and (types[name].startswith("*") or name in SIZES)}
-        kernel = triton.compile(ASTSource(fn=fn, signature=types, constexprs=constexprs, attrs=attrs),
-                                target=hopper_compile.HOPPER, options=options)
+    for fn, named, options, kernel in compiled_launches(
+            lambda: quantize.block_values_pair(x, Format.NVFP4, rows=rows, columns=columns, columns_len=256), SIZES):
         ptx, body = kernel.asm["ptx"], instructions(kernel.asm["ptx"])
         ops = collections.Counter(line.lstrip("@!%p0123456789 ").split()[0].split(".")[0] for line in body)
         out["amax" if named["AMAX_ONLY"] else "copies"] = {

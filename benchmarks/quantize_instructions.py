@@ -28,14 +28,13 @@ assert os.environ.get("TRITON_INTERPRET") != "1", "the compiler is what is count
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "kernels"))
 import hopper_compile  # noqa: E402
 from benchmarks.common import environment, save  # noqa: E402
-from benchmarks.pair_instructions import _source, by_source_line  # noqa: E402
+from benchmarks.pair_instructions import _source, by_source_line, compiled_launches  # noqa: E402
 from fp4lab.kernels import quantize  # noqa: E402
 
 SIZES = ("R", "L", "R_OUT", "LP", "stride_r", "stride_c")  # the int arguments a real launch has as multiples of 16
@@ -64,14 +63,8 @@ def sass_and_registers(cubin: bytes) -> tuple[int, int]:
 
 
 def count(work) -> list[dict]:
-    launches = hopper_compile.record(lambda: hopper_compile.launch_only(work))
     rows = []
-    for fn, types, constexprs, options, _ in launches.values():
-        named = {fn.arg_names[i[0]]: v for i, v in constexprs.items()}
-        attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
-                 if types[name] != "constexpr" and (types[name].startswith("*") or name in SIZES)}
-        kernel = triton.compile(ASTSource(fn=fn, signature=types, constexprs=constexprs, attrs=attrs),
-                                target=hopper_compile.HOPPER, options=options)
+    for fn, named, options, kernel in compiled_launches(work, SIZES):
         sass, registers = sass_and_registers(kernel.asm["cubin"])
         elements = named["BR"] * named["BC"] // (32 * options.get("num_warps", 4))
         rows.append({"pass": "amax" if named["AMAX_ONLY"] else "quantize", "tile": [named["BR"], named["BC"]],

@@ -228,15 +228,11 @@ def _rotated_with_amax(x, seed, RULE: tl.constexpr, ROUND_BF16: tl.constexpr, BR
         v = x
         if RULE != NO_ROTATION:
             v = _hadamard(x, seed, RULE, ROUND_BF16, BR, NB, N)
-        m = tl.max(_abs_bits(v), axis=2)
+        m = tl.max(_abs_bits(v, False), axis=2)
     else:
         p0, p1, p2, p3, p4, p5, p6, p7, p8, p9, p10, p11, p12, p13, p14, p15 = \
             _butterfly16_parts(_signed(x, seed, RULE, 16), BR, NB)
-        m = tl.maximum(tl.maximum(tl.maximum(_abs_bits(p0), _abs_bits(p1)), tl.maximum(_abs_bits(p2), _abs_bits(p3))),
-                       tl.maximum(tl.maximum(_abs_bits(p4), _abs_bits(p5)), tl.maximum(_abs_bits(p6), _abs_bits(p7))))
-        m = tl.maximum(m, tl.maximum(
-            tl.maximum(tl.maximum(_abs_bits(p8), _abs_bits(p9)), tl.maximum(_abs_bits(p10), _abs_bits(p11))),
-            tl.maximum(tl.maximum(_abs_bits(p12), _abs_bits(p13)), tl.maximum(_abs_bits(p14), _abs_bits(p15)))))
+        m = _max_bits(p0, p1, p2, p3, p4, p5, p6, p7, p8, p9, p10, p11, p12, p13, p14, p15, False)
         m = tl.reshape(m, (BR, NB)).to(tl.float32, bitcast=True) * 0.25
         a = tl.join(tl.join(tl.join(tl.join(p0, p8), tl.join(p4, p12)), tl.join(tl.join(p2, p10), tl.join(p6, p14))),
                     tl.join(tl.join(tl.join(p1, p9), tl.join(p5, p13)), tl.join(tl.join(p3, p11), tl.join(p7, p15))))
@@ -248,9 +244,26 @@ def _rotated_with_amax(x, seed, RULE: tl.constexpr, ROUND_BF16: tl.constexpr, BR
 
 
 @triton.jit
-def _abs_bits(p):
-    """fp32 -> int32 bits of |p| (NaN and Inf kept: they order above every finite value)."""
+def _abs_bits(p, FINITE: tl.constexpr):
+    """fp32 -> int32 bits of |p|: NaN and Inf kept (they order above every finite value), or with
+    FINITE counted as 0."""
+    if FINITE:
+        return _finite_abs_bits(p)
     return p.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+
+
+@triton.jit
+def _max_bits(p0, p1, p2, p3, p4, p5, p6, p7, p8, p9, p10, p11, p12, p13, p14, p15, FINITE: tl.constexpr):
+    """The butterfly's 16 positions (_butterfly16_parts) -> the bits of the largest |value| at each
+    place (_abs_bits), elementwise: inside each thread."""
+    m = tl.maximum(tl.maximum(tl.maximum(_abs_bits(p0, FINITE), _abs_bits(p1, FINITE)),
+                              tl.maximum(_abs_bits(p2, FINITE), _abs_bits(p3, FINITE))),
+                   tl.maximum(tl.maximum(_abs_bits(p4, FINITE), _abs_bits(p5, FINITE)),
+                              tl.maximum(_abs_bits(p6, FINITE), _abs_bits(p7, FINITE))))
+    return tl.maximum(m, tl.maximum(tl.maximum(tl.maximum(_abs_bits(p8, FINITE), _abs_bits(p9, FINITE)),
+                                               tl.maximum(_abs_bits(p10, FINITE), _abs_bits(p11, FINITE))),
+                                    tl.maximum(tl.maximum(_abs_bits(p12, FINITE), _abs_bits(p13, FINITE)),
+                                               tl.maximum(_abs_bits(p14, FINITE), _abs_bits(p15, FINITE)))))
 
 
 @triton.jit
@@ -270,14 +283,7 @@ def _rotated_run_bits(x, seed, RULE: tl.constexpr, ROUND_BF16: tl.constexpr, BR:
     else:
         p0, p1, p2, p3, p4, p5, p6, p7, p8, p9, p10, p11, p12, p13, p14, p15 = \
             _butterfly16_parts(_signed(x, seed, RULE, 16), BR, NB)
-        m = tl.maximum(tl.maximum(tl.maximum(_finite_abs_bits(p0), _finite_abs_bits(p1)),
-                                  tl.maximum(_finite_abs_bits(p2), _finite_abs_bits(p3))),
-                       tl.maximum(tl.maximum(_finite_abs_bits(p4), _finite_abs_bits(p5)),
-                                  tl.maximum(_finite_abs_bits(p6), _finite_abs_bits(p7))))
-        m = tl.maximum(m, tl.maximum(tl.maximum(tl.maximum(_finite_abs_bits(p8), _finite_abs_bits(p9)),
-                                                tl.maximum(_finite_abs_bits(p10), _finite_abs_bits(p11))),
-                                     tl.maximum(tl.maximum(_finite_abs_bits(p12), _finite_abs_bits(p13)),
-                                                tl.maximum(_finite_abs_bits(p14), _finite_abs_bits(p15)))))
+        m = _max_bits(p0, p1, p2, p3, p4, p5, p6, p7, p8, p9, p10, p11, p12, p13, p14, p15, True)
         m = tl.max(m, axis=2)  # (a size-1 axis: no data moves)
     return m
 
