@@ -85,9 +85,10 @@ def compile_arch() -> int:
 @triton.jit
 def e2m1_rtne(v):
     """v: fp32 magnitudes in [0, 6] -> int32 codes 0..7."""
-    # v + c is v rounded to the grid (e2m1_rtne_value's c: 2^22, 2^23 or 2^24, v's binade moved up
-    # 22), its low significand bits the grid steps above c (0-4 in [0, 2), 2-4 in [2, 4), 2-3 in
-    # [4, 6]); each binade above [0, 2) starts two codes on: binade >> 22 is 254, 256 or 258
+    # v + c is v rounded to the grid (e2m1_rtne_value's c = 2^22, 2^23 or 2^24: v's binade, at
+    # least 1's, moved up 22 binades), its low significand bits the grid steps above c (0-4 in
+    # [0, 2), 2-4 in [2, 4), 2-3 in [4, 6]); each binade above [0, 2) starts two codes on, and
+    # binade >> 22 is 254, 256 or 258
     binade = tl.maximum(v.to(tl.int32, bitcast=True) & 0x7F800000, 0x3F800000)
     steps = (v + (binade + (22 << 23)).to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True) & 7
     return steps + (binade >> 22) - 254

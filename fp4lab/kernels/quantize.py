@@ -434,9 +434,8 @@ def _fp4_quantize_kernel(x_ptr, codes_ptr, scales_ptr, amax_ptr, s_dec_ptr, seed
         return
     x, amax_bits = _rotated_with_amax(x, h_seed, HADAMARD, BF16_BITS, BR, NB, BLOCK, not OUT_VALUES)
     _quantize_tile(x, amax_bits, rows, local, col_base, group, amax_at, seed_of, lp_of, codes_ptr, scales_ptr,
-                   s_dec_ptr,
-                   R, R_OUT, LP, tl.program_id(0), tl.program_id(1), SCALE_RULE, BLOCK, TILE_ROWS, STOCHASTIC,
-                   OUT_VALUES, GROUPED, BR, BC)
+                   s_dec_ptr, R, R_OUT, LP, tl.program_id(0), tl.program_id(1), SCALE_RULE, BLOCK, TILE_ROWS,
+                   STOCHASTIC, OUT_VALUES, GROUPED, BR, BC)
 
 
 @triton.jit
