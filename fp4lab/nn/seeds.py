@@ -106,7 +106,7 @@ class SeedTable:
     def seeds(self, specs: list[tuple[int, int, int, int, int]]) -> torch.Tensor:
         """The slots of ``specs`` as one tensor (a grouped launch's seeds, one per expert)."""
         slots = [self.slot(*spec) for spec in specs]  # (first: drawing may grow the buffer)
-        return _slots_of(self.values, slots)
+        return self.at_slots(slots)
 
     def at_slots(self, slots: list[int]) -> torch.Tensor:
         """Slots already drawn (SeedTable.slot), as one tensor of the current buffer."""
