@@ -63,6 +63,8 @@ FIGURES = (
     Figure("d12 step, NVFP4 / BF16, eager (16 x 1024 tokens)", "model.json", _step_ratio("nvfp4", "eager"), 1.30),
     Figure("d12 step, graphed", "model.json", _step_ratio("nvfp4", "graphed"), None),
     Figure("d12 step, compiled, against compiled BF16", "model.json", _step_ratio("nvfp4", "compiled"), 1.30),
+    Figure("the same, FP4 compiled under Inductor's C++ wrapper (`cpp_wrapper=true`)", "model.json",
+           _step_ratio("nvfp4:cpp", "compiled"), 1.30),
     Figure("d12 step, compiled + graphed, against compiled + graphed BF16", "model.json",
            _step_ratio("nvfp4", "compiled_graphed"), None),
     Figure("NVFP4 linear fwd+bwd 8192 x 4096 x 4096, eager wall / BF16", "linear.json",
