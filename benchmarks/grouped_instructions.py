@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "kernels"))
 import hopper_compile  # noqa: E402
 from benchmarks.common import environment, save  # noqa: E402
-from benchmarks.pair_instructions import instructions  # noqa: E402
+from benchmarks.sm90 import ptx_instructions  # noqa: E402
 from fp4lab.formats.types import Format  # noqa: E402
 from fp4lab.kernels import elements, quantize  # noqa: E402
 
@@ -69,7 +69,7 @@ def search_split(ptx: str, search: range) -> tuple[int, int]:
         loc = re.match(r"\s*\.loc\s+(\d+)\s+(\d+)", line)
         if loc:
             inside = files.get(loc.group(1), "").endswith("elements.py") and int(loc.group(2)) in search
-        elif inside and instructions(line):
+        elif inside and ptx_instructions(line):
             if any(a <= i <= b for a, b in spans):
                 looped += 1
             else:
@@ -114,7 +114,7 @@ def main() -> None:
         name = fn.__name__ if fn.__name__ == "_grouped_amax_kernel" else (
             f"{'columns' if named['GROUPED'] == quantize.COL_GROUPS.value else 'rows'}"
             f"{' amax' if named['AMAX_ONLY'] else ''}{' SR' if named['STOCHASTIC'] else ''}")
-        total = len(instructions(ptx))
+        total = len(ptx_instructions(ptx))
         executed = total + looped * (steps - 1)
         results[name] = {"instructions": total, "search_once": once, "search_in_loops": looped,
                          "executed_estimate": executed, "search_executed": once + looped * steps}

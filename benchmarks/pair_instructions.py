@@ -18,23 +18,19 @@ from __future__ import annotations
 
 import argparse
 import collections
-import linecache
 import os
-import re
 import sys
 from pathlib import Path
 
 assert os.environ.get("TRITON_INTERPRET") != "1", "the compiler is what is counted: unset TRITON_INTERPRET"
 
 import torch  # noqa: E402
-import triton  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests" / "kernels"))
-import hopper_compile  # noqa: E402
 from benchmarks.common import environment, save  # noqa: E402
+from benchmarks.sm90 import (by_source_line, compiled_launches, ptx_instructions, sass_and_registers,  # noqa: E402
+                             source_text)
 from fp4lab.formats.types import Format  # noqa: E402
 from fp4lab.kernels import quantize  # noqa: E402
 
@@ -42,12 +38,6 @@ SIZES = ("M", "K", "MP", "stride_m")  # the int arguments a real launch has as m
 PAIRS = {"x": ({}, dict(hadamard="random", hadamard_seed=2)),
          "dy": (dict(rounding="stochastic", seed=1), dict(rounding="stochastic", seed=3, hadamard="random",
                                                           hadamard_seed=2))}
-
-
-def instructions(ptx: str) -> list[str]:
-    """The PTX body's instruction lines (predicated ones included), without labels and directives."""
-    lines = (line.strip() for line in ptx.splitlines() if line.startswith("\t"))
-    return [line for line in lines if line and (line[0].isalpha() or line.startswith("@"))]
 
 
 def loop_instructions(ptx: str) -> int | None:
@@ -58,35 +48,7 @@ def loop_instructions(ptx: str) -> int | None:
         return None
     label = lines[head].split(":")[0]
     back = next(i for i in range(head + 1, len(lines)) if "bra" in lines[i] and lines[i].rstrip(";").endswith(label))
-    return len(instructions("\n".join(lines[head:back + 1])))
-
-
-def by_source_line(ptx: str) -> collections.Counter:
-    """Instructions per source line ("file.py:line"), from the PTX's .file and .loc records."""
-    files = dict(re.findall(r'^\s*\.file\s+(\d+)\s+"([^"]+)"', ptx, re.MULTILINE))
-    counts, where = collections.Counter(), "?"
-    for line in ptx.splitlines():
-        loc = re.match(r"\s*\.loc\s+(\d+)\s+(\d+)", line)
-        if loc:
-            where = f"{Path(files.get(loc.group(1), '?')).name}:{loc.group(2)}"
-        elif instructions(line):
-            counts[where] += 1
-    return counts
-
-
-def compiled_launches(work, sizes: tuple[str, ...]):
-    """-> [(kernel, {constexpr name: value}, launch options, the compiled kernel)] for each distinct
-    launch ``work()`` makes, compiled for sm_90 with every pointer and the ``sizes`` int arguments
-    16-divisible (what a real launch of a large shape is specialized on; not the recorder's
-    attributes, whose small test shapes may leave a seed slice unaligned)."""
-    out = []
-    for fn, types, constexprs, options, _ in hopper_compile.record(lambda: hopper_compile.launch_only(work)).values():
-        attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
-                 if types[name] != "constexpr" and (types[name].startswith("*") or name in sizes)}
-        kernel = triton.compile(ASTSource(fn=fn, signature=types, constexprs=constexprs, attrs=attrs),
-                                target=hopper_compile.HOPPER, options=options)
-        out.append((fn, {fn.arg_names[i[0]]: v for i, v in constexprs.items()}, options, kernel))
-    return out
+    return len(ptx_instructions("\n".join(lines[head:back + 1])))
 
 
 def count(tensor: str) -> dict[str, dict]:
@@ -95,24 +57,16 @@ def count(tensor: str) -> dict[str, dict]:
     out = {}
     for fn, named, options, kernel in compiled_launches(
             lambda: quantize.block_values_pair(x, Format.NVFP4, rows=rows, columns=columns, columns_len=256), SIZES):
-        ptx, body = kernel.asm["ptx"], instructions(kernel.asm["ptx"])
+        ptx, body = kernel.asm["ptx"], ptx_instructions(kernel.asm["ptx"])
+        sass, registers = sass_and_registers(kernel.asm["cubin"])
         ops = collections.Counter(line.lstrip("@!%p0123456789 ").split()[0].split(".")[0] for line in body)
         out["amax" if named["AMAX_ONLY"] else "copies"] = {
-            "instructions": len(body), "loop_instructions": loop_instructions(ptx), "iters": named["ITERS"],
+            "instructions": len(body), "sass": sass, "registers": registers, "loop_instructions": loop_instructions(ptx), "iters": named["ITERS"],
             "shared_loads": sum(line.startswith("ld.shared") for line in body),
             "shared_stores": sum(line.startswith("st.shared") for line in body),
             "layout_conversions": kernel.asm["ttgir"].count("convert_layout"),
             "top": dict(ops.most_common(10)), "lines": by_source_line(ptx)}
     return out
-
-
-def _source(where: str) -> str:
-    """The text of a "file.py:line" of fp4lab's kernels (or Triton's language), for --lines."""
-    name, _, number = where.partition(":")
-    for folder in (ROOT / "fp4lab" / "kernels", Path(triton.__file__).parent / "language"):
-        if (folder / name).is_file():
-            return linecache.getline(str(folder / name), int(number)).strip()[:90]
-    return ""
 
 
 def main() -> None:
@@ -133,10 +87,10 @@ def main() -> None:
             print(f"{tensor} {name:6s} tile {args.tile}, {row['iters']} a program: {row['instructions']} PTX "
                   f"instructions a thread, {per_tile} a tile ({per_tile / elements:.1f} an element); shared "
                   f"{row['shared_loads']} ld / {row['shared_stores']} st, {row['layout_conversions']} layout "
-                  f"conversions", flush=True)
+                  f"conversions; {row['sass']} SASS a thread, {row['registers']} registers", flush=True)
             lines = row.pop("lines")
             for where, n in lines.most_common(args.lines):
-                print(f"    {n:5d}  {where}  {_source(where)}")
+                print(f"    {n:5d}  {where}  {source_text(where)}")
     if not args.no_save:
         save("pair_instructions", {**environment(), "tile": quantize.PAIR_TILE, "programs": args.programs,
                                    "elements_a_thread": elements, "launches": results})

@@ -18,27 +18,20 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 assert os.environ.get("TRITON_INTERPRET") != "1", "the compiler is what is counted: unset TRITON_INTERPRET"
 
 import torch  # noqa: E402
-import triton  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests" / "kernels"))
-import hopper_compile  # noqa: E402
 from benchmarks.common import environment, save  # noqa: E402
-from benchmarks.pair_instructions import _source, by_source_line, compiled_launches  # noqa: E402
+from benchmarks.sm90 import by_source_line, compiled_launches, hopper_compile, sass_and_registers, source_text  # noqa: E402,E501
 from fp4lab.kernels import quantize  # noqa: E402
 
 SIZES = ("R", "L", "R_OUT", "LP", "stride_r", "stride_c")  # the int arguments a real launch has as multiples of 16
-_TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
 
 def cases() -> dict:
@@ -48,18 +41,6 @@ def cases() -> dict:
             "values_amax_given": lambda: quantize.nvfp4_block_values(x, global_amax=amax),
             "codes_rht_sr": lambda: quantize.quantize_nvfp4(x, **rht_sr),
             "values_rht_sr": lambda: quantize.nvfp4_block_values(x, **rht_sr)}
-
-
-def sass_and_registers(cubin: bytes) -> tuple[int, int]:
-    """(SASS instructions, registers a thread) of a compiled kernel, by cuobjdump."""
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        sass = subprocess.run([str(_TOOLS / "cuobjdump"), "--dump-sass", f.name], capture_output=True, text=True,
-                              check=True).stdout
-        usage = subprocess.run([str(_TOOLS / "cuobjdump"), "--dump-resource-usage", f.name], capture_output=True,
-                               text=True, check=True).stdout
-    return len(re.findall(r"^\s+/\*[0-9a-f]{4}\*/", sass, re.MULTILINE)), int(re.search(r"REG:(\d+)", usage).group(1))
 
 
 def count(work) -> list[dict]:
@@ -87,7 +68,7 @@ def main() -> None:
                   f"{row['sass_an_element']:5.1f} SASS an element ({row['sass']} a thread), {row['registers']} registers",
                   flush=True)
             for where, n in row.pop("lines").most_common(args.lines):
-                print(f"    {n:5d}  {where}  {_source(where)}")
+                print(f"    {n:5d}  {where}  {source_text(where)}")
     if not args.no_save:
         save("quantize_instructions", {**environment(), "launches": results})
 
