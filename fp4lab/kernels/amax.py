@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .elements import group_of, widen
+from .elements import finite_key, group_of, key_bits, widen
 from .host import cdiv, sm_count, zeroed_int32
 from .launch import cached
 
@@ -32,13 +32,12 @@ AMAX_LAUNCH = (2048, 4, 4)
 @triton.jit
 def _finite_amax_kernel(x_ptr, out_ptr, n, chunk, BF16_BITS: tl.constexpr, BLOCK: tl.constexpr):
     start = tl.program_id(0).to(tl.int64) * chunk
-    acc = tl.zeros((BLOCK,), dtype=tl.int32)
+    acc = tl.zeros((BLOCK,), dtype=tl.uint32)
     for i in tl.range(0, chunk, BLOCK):
         offs = start + i + tl.arange(0, BLOCK)
         x = widen(tl.load(x_ptr + offs, mask=offs < n, other=0), BF16_BITS)
-        bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-        acc = tl.maximum(acc, tl.where(bits < 0x7F800000, bits, 0))  # NaN and Inf do not count
-    tl.atomic_max(out_ptr, tl.max(acc, axis=0))
+        acc = tl.maximum(acc, finite_key(x))  # (NaN and Inf key below every finite value)
+    tl.atomic_max(out_ptr, key_bits(tl.max(acc, axis=0)))
 
 
 def finite_amax(x: torch.Tensor) -> torch.Tensor:
@@ -71,13 +70,13 @@ def _finite_amax(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 def _grouped_amax_kernel(x_ptr, out_ptr, start_ptr, n_groups, R, L, BF16_BITS: tl.constexpr, BR: tl.constexpr,
                          BC: tl.constexpr):
     rows = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
-    acc = tl.zeros((BR,), dtype=tl.int32)
+    keys = tl.zeros((BR,), dtype=tl.uint32)
     for c in tl.range(0, L, BC):
         cols = c + tl.arange(0, BC)
         x = widen(tl.load(x_ptr + rows[:, None] * L + cols[None, :], mask=(rows[:, None] < R) & (cols[None, :] < L),
                           other=0), BF16_BITS)
-        bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-        acc = tl.maximum(acc, tl.max(tl.where(bits < 0x7F800000, bits, 0), axis=1))
+        keys = tl.maximum(keys, tl.max(finite_key(x), axis=1))
+    acc = key_bits(keys)
     live = rows < R
     group = group_of(rows, start_ptr, n_groups)
     first, last = tl.min(tl.where(live, group, n_groups)), tl.max(tl.where(live, group, -1))

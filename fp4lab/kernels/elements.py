@@ -26,6 +26,9 @@ are byte-identical to fp4lab.formats (tested exhaustively under TRITON_INTERPRET
     e2m1_value(c)         E2M1 nibble -> fp32;  scale_value(b, NVFP4): E4M3 / UE8M0 byte -> fp32
     philox_bytes(seed, g) Philox4x32-10 of counter g -> the 16 bytes of group g (rng.py's layout)
     widen(x, BF16_BITS)   loaded input (bf16 as int16 bits) -> fp32, exactly
+    finite_key(x)         fp32 -> uint32 that orders like |x| over finite x, every Inf and NaN
+                          below every finite value: a max over keys is a finite amax (key_bits
+                          turns it back into the amax's bits, 0 where nothing was finite)
     to_bf16_rtne(x)       fp32 -> bf16 round to nearest even, in integers (same on every backend)
     round_to_bf16(x)      fp32 -> fp32 rounded to bf16
     pack_nibble_pairs(c)  [.., 2n] codes -> [.., n] bytes, element 2i in the low nibble
@@ -229,6 +232,22 @@ def widen(x, BF16_BITS: tl.constexpr):
     if BF16_BITS:
         return (x.to(tl.int32) << 16).to(tl.float32, bitcast=True)
     return x.to(tl.float32)
+
+
+@triton.jit
+def finite_key(x):
+    """fp32 -> uint32 key for a max over finite |x|: the bits doubled (the sign shifts out) plus
+    2^24. Finite |x| (bits below 0x7F800000) map in order onto [2^24, 2^32 - 1); Inf and NaN
+    (0x7F800000 and up) wrap around onto [0, 2^24), under every finite value. One multiply-add
+    per element where masking the non-finite values took three (and, compare, select)."""
+    return x.to(tl.uint32, bitcast=True) * 2 + 0x1000000
+
+
+@triton.jit
+def key_bits(k):
+    """A max of finite_key values (uint32) -> int32 bits of the largest finite |x| (0 where none
+    of them was finite, and for the key 0 a max starts from)."""
+    return tl.where(k >= 0x1000000, (k - 0x1000000) >> 1, 0).to(tl.int32)
 
 
 @triton.jit

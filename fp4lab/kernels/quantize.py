@@ -51,7 +51,8 @@ from .host import PlanTable, cdiv, tracing, zeroed_int32
 from .launch import cached
 from .operand import BlockValues, device_counts
 from .elements import (e2m1_rtne, e2m1_rtne_value, e2m1_stochastic, e2m1_stochastic_value, e2m1_value, e4m3_rtne,
-                       e4m3_value, group_of, pack_nibble_pairs, philox_bytes, round_to_bf16, scale_value, widen)
+                       e4m3_value, finite_key, group_of, key_bits, pack_nibble_pairs, philox_bytes, round_to_bf16,
+                       scale_value, widen)
 
 # SCALE_RULE: how a block's scale is made (NVFP4 profiles, then MXFP4 scale modes)
 NV_TE, NV_TORCHAO, NV_FOUR_SIX = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
@@ -228,11 +229,11 @@ def _rotated_with_amax(x, seed, RULE: tl.constexpr, ROUND_BF16: tl.constexpr, BR
         v = x
         if RULE != NO_ROTATION:
             v = _hadamard(x, seed, RULE, ROUND_BF16, BR, NB, N)
-        m = tl.max(_abs_bits(v, False), axis=2)
+        m = tl.max(_abs_key(v, False), axis=2)
     else:
         p0, p1, p2, p3, p4, p5, p6, p7, p8, p9, p10, p11, p12, p13, p14, p15 = \
             _butterfly16_parts(_signed(x, seed, RULE, 16), BR, NB)
-        m = _max_bits(p0, p1, p2, p3, p4, p5, p6, p7, p8, p9, p10, p11, p12, p13, p14, p15, False)
+        m = _max_key(p0, p1, p2, p3, p4, p5, p6, p7, p8, p9, p10, p11, p12, p13, p14, p15, False)
         m = tl.reshape(m, (BR, NB)).to(tl.float32, bitcast=True) * 0.25
         a = tl.join(tl.join(tl.join(tl.join(p0, p8), tl.join(p4, p12)), tl.join(tl.join(p2, p10), tl.join(p6, p14))),
                     tl.join(tl.join(tl.join(p1, p9), tl.join(p5, p13)), tl.join(tl.join(p3, p11), tl.join(p7, p15))))
@@ -244,54 +245,60 @@ def _rotated_with_amax(x, seed, RULE: tl.constexpr, ROUND_BF16: tl.constexpr, BR
 
 
 @triton.jit
-def _abs_bits(p, FINITE: tl.constexpr):
-    """fp32 -> int32 bits of |p|: NaN and Inf kept (they order above every finite value), or with
-    FINITE counted as 0."""
+def _abs_key(p, FINITE: tl.constexpr):
+    """fp32 -> a key that orders like |p|: int32 bits of |p|, NaN and Inf kept (they order above
+    every finite value), or with FINITE elements.finite_key (uint32; NaN and Inf below every
+    finite value, key_bits reads a max of them)."""
+    # one return after a constexpr if/else: the compiler types every return, even one it skips
     if FINITE:
-        return _finite_abs_bits(p)
-    return p.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+        key = finite_key(p)
+    else:
+        key = p.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    return key
 
 
 @triton.jit
-def _max_bits(p0, p1, p2, p3, p4, p5, p6, p7, p8, p9, p10, p11, p12, p13, p14, p15, FINITE: tl.constexpr):
-    """The butterfly's 16 positions (_butterfly16_parts) -> the bits of the largest |value| at each
-    place (_abs_bits), elementwise: inside each thread."""
-    m = tl.maximum(tl.maximum(tl.maximum(_abs_bits(p0, FINITE), _abs_bits(p1, FINITE)),
-                              tl.maximum(_abs_bits(p2, FINITE), _abs_bits(p3, FINITE))),
-                   tl.maximum(tl.maximum(_abs_bits(p4, FINITE), _abs_bits(p5, FINITE)),
-                              tl.maximum(_abs_bits(p6, FINITE), _abs_bits(p7, FINITE))))
-    return tl.maximum(m, tl.maximum(tl.maximum(tl.maximum(_abs_bits(p8, FINITE), _abs_bits(p9, FINITE)),
-                                               tl.maximum(_abs_bits(p10, FINITE), _abs_bits(p11, FINITE))),
-                                    tl.maximum(tl.maximum(_abs_bits(p12, FINITE), _abs_bits(p13, FINITE)),
-                                               tl.maximum(_abs_bits(p14, FINITE), _abs_bits(p15, FINITE)))))
+def _max_key(p0, p1, p2, p3, p4, p5, p6, p7, p8, p9, p10, p11, p12, p13, p14, p15, FINITE: tl.constexpr):
+    """The butterfly's 16 positions (_butterfly16_parts) -> the key of the largest |value| at each
+    place (_abs_key), elementwise: inside each thread."""
+    m = tl.maximum(tl.maximum(tl.maximum(_abs_key(p0, FINITE), _abs_key(p1, FINITE)),
+                              tl.maximum(_abs_key(p2, FINITE), _abs_key(p3, FINITE))),
+                   tl.maximum(tl.maximum(_abs_key(p4, FINITE), _abs_key(p5, FINITE)),
+                              tl.maximum(_abs_key(p6, FINITE), _abs_key(p7, FINITE))))
+    return tl.maximum(m, tl.maximum(tl.maximum(tl.maximum(_abs_key(p8, FINITE), _abs_key(p9, FINITE)),
+                                               tl.maximum(_abs_key(p10, FINITE), _abs_key(p11, FINITE))),
+                                    tl.maximum(tl.maximum(_abs_key(p12, FINITE), _abs_key(p13, FINITE)),
+                                               tl.maximum(_abs_key(p14, FINITE), _abs_key(p15, FINITE)))))
 
 
 @triton.jit
-def _rotated_run_bits(x, seed, RULE: tl.constexpr, ROUND_BF16: tl.constexpr, BR: tl.constexpr, NB: tl.constexpr,
+def _rotated_run_keys(x, seed, RULE: tl.constexpr, ROUND_BF16: tl.constexpr, BR: tl.constexpr, NB: tl.constexpr,
                       N: tl.constexpr):
-    """x: [BR, NB, N] -> [BR, NB] int32: per run, the bits of the largest finite |value| of the run
-    rotated as the rule says (NO_ROTATION: x itself). At 16 points, of the butterfly's unscaled and
-    unrounded outputs, its 16 positions not put back in order (the max does not need it, and the
-    joins cost layout changes): _rotated_amax_bits applies the 1/4 and the bf16 rounding once, to
-    the tensor's max. Taking the max first is exact: p -> round(|p| / 4) is non-decreasing, and
-    finite for every finite p (|p| / 4 <= FLT_MAX / 4 lies below bf16's largest finite value)."""
+    """x: [BR, NB, N] -> [BR, NB] uint32: per run, the finite_key of the largest finite |value| of
+    the run rotated as the rule says (NO_ROTATION: x itself). At 16 points, of the butterfly's
+    unscaled and unrounded outputs, its 16 positions not put back in order (the max does not need
+    it, and the joins cost layout changes): _rotated_amax_bits applies the 1/4 and the bf16
+    rounding once, to the tensor's max. Taking the max first is exact: p -> round(|p| / 4) is
+    non-decreasing, and finite for every finite p (|p| / 4 <= FLT_MAX / 4 lies below bf16's
+    largest finite value)."""
     # one return after a constexpr if/else (the compiler goes on past a return in a constexpr branch)
     if (RULE == NO_ROTATION) | (N != 16):
         if RULE != NO_ROTATION:
             x = _hadamard(x, seed, RULE, ROUND_BF16, BR, NB, N)
-        m = tl.max(_finite_abs_bits(x), axis=2)
+        m = tl.max(finite_key(x), axis=2)
     else:
         p0, p1, p2, p3, p4, p5, p6, p7, p8, p9, p10, p11, p12, p13, p14, p15 = \
             _butterfly16_parts(_signed(x, seed, RULE, 16), BR, NB)
-        m = _max_bits(p0, p1, p2, p3, p4, p5, p6, p7, p8, p9, p10, p11, p12, p13, p14, p15, True)
+        m = _max_key(p0, p1, p2, p3, p4, p5, p6, p7, p8, p9, p10, p11, p12, p13, p14, p15, True)
         m = tl.max(m, axis=2)  # (a size-1 axis: no data moves)
     return m
 
 
 @triton.jit
 def _rotated_amax_bits(m, RULE: tl.constexpr, ROUND_BF16: tl.constexpr, N: tl.constexpr):
-    """The max of _rotated_run_bits' runs (int32 scalar) -> the bits of the rotated tensor's finite
-    amax: at 16 points the butterfly's 1/4 and the bf16 rounding, applied once."""
+    """The max of _rotated_run_keys' runs (uint32 scalar) -> the int32 bits of the rotated tensor's
+    finite amax: at 16 points the butterfly's 1/4 and the bf16 rounding, applied once."""
+    m = key_bits(m)
     if (RULE != NO_ROTATION) & (N == 16):
         v = m.to(tl.float32, bitcast=True) * 0.25
         if ROUND_BF16:
@@ -305,15 +312,7 @@ def _rotated_finite_max_bits(x, seed, RULE: tl.constexpr, ROUND_BF16: tl.constex
                              NB: tl.constexpr, N: tl.constexpr):
     """x: [BR, NB, N] -> int32 bits of the largest finite |value| of x rotated as the rule says
     (NO_ROTATION: x itself; 0 if none): the tile's share of a tensor amax, folded in with an atomic max."""
-    return _rotated_amax_bits(tl.max(_rotated_run_bits(x, seed, RULE, ROUND_BF16, BR, NB, N)), RULE, ROUND_BF16, N)
-
-
-@triton.jit
-def _finite_abs_bits(x):
-    """x: fp32 tile -> int32 bits of |x| where finite, 0 elsewhere (non-negative floats order like
-    their bits, so a max of these is the bits of the largest finite |x|)."""
-    bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-    return tl.where(bits < 0x7F800000, bits, 0)
+    return _rotated_amax_bits(tl.max(_rotated_run_keys(x, seed, RULE, ROUND_BF16, BR, NB, N)), RULE, ROUND_BF16, N)
 
 
 @triton.jit
@@ -565,16 +564,16 @@ def _fp4_pair_kernel(x_ptr, rows_ptr, cols_ptr, amax_ptr, s_dec_ptr, seed_r, see
     if H_SEED_IN_MEMORY:
         h_seed_c = tl.load(h_seed_c_ptr)
     if AMAX_ONLY:  # both tensor amaxes (finite values only), x read once
-        m_rows = tl.zeros((BM, BK), tl.int32)
-        m_cols = tl.zeros((BK, BM // BLOCK), tl.int32)
+        m_rows = tl.zeros((BM, BK), tl.uint32)  # (elements.finite_key: a zero key reads as no finite value)
+        m_cols = tl.zeros((BK, BM // BLOCK), tl.uint32)
         for i in range(ITERS):
             rows = ((pid_m * ITERS + i) * BM + tl.arange(0, BM)).to(tl.int64)
             inside = (rows[:, None] < M) & (cols[None, :] < K)  # (rows past M: zeros, the columns copy's padding)
             x = widen(tl.load(x_ptr + rows[:, None] * stride_m + cols[None, :], mask=inside, other=0.0), BF16_BITS)
-            m_rows = tl.maximum(m_rows, _finite_abs_bits(x))
-            m_cols = tl.maximum(m_cols, _rotated_run_bits(tl.reshape(tl.trans(x), (BK, BM // BLOCK, BLOCK)),
+            m_rows = tl.maximum(m_rows, finite_key(x))
+            m_cols = tl.maximum(m_cols, _rotated_run_keys(tl.reshape(tl.trans(x), (BK, BM // BLOCK, BLOCK)),
                                                           h_seed_c, HADAMARD_C, BF16_BITS, BK, BM // BLOCK, BLOCK))
-        tl.atomic_max(amax_ptr, tl.max(m_rows))
+        tl.atomic_max(amax_ptr, key_bits(tl.max(m_rows)))
         tl.atomic_max(amax_ptr + 1, _rotated_amax_bits(tl.max(m_cols), HADAMARD_C, BF16_BITS, BLOCK))
     else:  # the two copies, ITERS tiles down the rows a program
         if SEED_R_IN_MEMORY:  # device seeds: a captured graph reads each replay's own

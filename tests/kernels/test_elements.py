@@ -16,7 +16,7 @@ from fp4lab.formats.rng import philox4x32, random_bytes  # noqa: E402
 from fp4lab.kernels.elements import (_e4m3_rtne_integer, _e4m3_value_integer,  # noqa: E402
                                      _one_plus_rounded_up, _one_plus_rounded_up_fast2sum, e2m1_rtne,
                                      e2m1_rtne_value, e2m1_stochastic, e2m1_stochastic_value, e4m3_rtne,
-                                     e4m3_value, group_of, philox_bytes, to_bf16_rtne)
+                                     e4m3_value, finite_key, group_of, key_bits, philox_bytes, to_bf16_rtne)
 
 from ..checkout import subprocess_env  # noqa: E402
 
@@ -148,16 +148,35 @@ def _e2m1_rtne_split(v):
 def _forms_mismatch_kernel(mismatch_ptr, n, FORM: tl.constexpr, BLOCK: tl.constexpr):
     """Counts the fp32 patterns 0 .. n - 1 where a helper's GPU form differs from its portable twin:
     FORM 0 e4m3_rtne (the integer form), 1 the rounded-up 1 + v of stochastic rounding below 1
-    (the Fast2Sum form), 2 e2m1_rtne (the grid add) against the split form it replaced."""
+    (the Fast2Sum form), 2 e2m1_rtne (the grid add) against the split form it replaced, 3 the
+    finite-amax key (_key_mismatch) of v and of -v."""
     bits = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     v = bits.to(tl.float32, bitcast=True)
-    if FORM == 0:
+    if FORM == 3:
+        bad = _key_mismatch(bits) | _key_mismatch(bits | -0x80000000)
+    elif FORM == 0:
         bad = e4m3_rtne(v) != _e4m3_rtne_integer(v)
     elif FORM == 1:
         bad = _one_plus_rounded_up(v) != _one_plus_rounded_up_fast2sum(v)
     else:
         bad = e2m1_rtne(v) != _e2m1_rtne_split(v)
     tl.atomic_add(mismatch_ptr, tl.sum((bad & (bits < n)).to(tl.int32)))
+
+
+@triton.jit
+def _key_mismatch(bits):
+    """Where finite_key and key_bits fail at the fp32 patterns ``bits`` (int32): the bits of |v|
+    back where v is finite, else 0 (the masked form the kernels took before); a key above the
+    next pattern's where both are finite and non-negative (the order); a non-finite v's key not
+    below every finite one's (0x1000000, 0's)."""
+    v = bits.to(tl.float32, bitcast=True)
+    mag = bits & 0x7FFFFFFF
+    finite = mag < 0x7F800000
+    key = finite_key(v)
+    back = key_bits(key) != tl.where(finite, mag, 0)
+    after = finite_key((bits + 1).to(tl.float32, bitcast=True))
+    unordered = (bits >= 0) & (bits < 0x7F7FFFFF) & (after <= key)
+    return back | unordered | (~finite & (key >= 0x1000000))
 
 
 def _mismatches(n: int, form: int) -> int:
@@ -179,6 +198,33 @@ def test_the_rtne_code_is_the_grid_value_on_every_fp32_up_to_6():
     (exponent and mantissa bit rounded to even above 1, two comparisons below) on every fp32 in
     [0, 6]: two derivations, each checked against the reference on the sets above."""
     assert _mismatches(0x40C00001, form=2) == 0  # (fp32(6)'s bits, inclusive)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="every fp32 pattern is a GPU's seconds, not a CPU's")
+def test_the_finite_amax_key_on_every_fp32():
+    """Compiled for a GPU, finite_key orders every finite |v| and puts every Inf and NaN below them,
+    and key_bits gives back |v|'s bits (0 for Inf and NaN), over all 2^32 patterns."""
+    assert _mismatches(0x80000000, form=3) == 0  # (each pattern below 2^31 and its negative)
+
+
+@triton.jit
+def _key_kernel(bits_ptr, bad_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    bits = tl.load(bits_ptr + offs, mask=offs < n, other=0)
+    tl.store(bad_ptr + offs, _key_mismatch(bits).to(tl.int32), mask=offs < n)
+
+
+def test_the_finite_amax_key_on_every_bf16_and_the_edges():
+    """finite_key / key_bits (the amax passes' finite max) on every bf16 (as fp32) and the patterns
+    around each place the key's arithmetic turns: 0, the largest finite value, Inf, the NaNs, the
+    top of the range (where the doubled bits wrap), each with either sign."""
+    edges = torch.cat([torch.arange(a - 4096, a + 4096) for a in (0, 0x00800000, 0x7F7FFFFF, 0x7F800000, 0x7FC00000)]
+                      + [torch.arange(0x7FFFF000, 0x80000000), torch.randint(0, 2**31, (8192,))])
+    bits = torch.cat([ALL_BF16.view(torch.int32), edges.clamp(0, 2**31 - 1).int()])
+    bits = torch.cat([bits, bits | -0x80000000]).to(DEVICE)
+    bad = torch.empty_like(bits)
+    _key_kernel[(triton.cdiv(bits.numel(), 1024),)](bits, bad, bits.numel(), BLOCK=1024)
+    assert int(bad.sum()) == 0, bits[bad.bool()][:8]
 
 
 def test_philox_bytes_match_rng():
