@@ -1,4 +1,4 @@
-"""PTX instructions a thread of the pair kernel's launches, compiled for an H100 on the CPU.
+"""PTX and SASS instructions a thread of the pair kernel's launches, compiled for an H100 on the CPU.
 
     python benchmarks/pair_instructions.py [--tile 64,32,4] [--programs N] [--lines N] [--no-save]
 
@@ -8,7 +8,7 @@ recorder, then compiles each launch for sm_90 (no GPU, no TRITON_INTERPRET) with
 real launch of these shapes is specialized on (pointers and the sizes multiples of 16), and counts
 the PTX: instructions in all, those in the amax pass's loop (one tile's worth when a program takes
 several: ``--programs 1`` makes every program take PAIR_ITERS tiles), shared-memory traffic and
-layout conversions; with ``--lines N``, each launch's N source lines that compile to the most
+layout conversions; and the cubin's SASS instructions and registers a thread; with ``--lines N``, each launch's N source lines that compile to the most
 instructions (from the PTX's line records). The pair kernel is instruction-bound on the H100 (benchmarks/NOTES.md, the
 twenty-second session), so this count is what a change to it should lower. Writes
 benchmarks/results/pair_instructions.json.
@@ -61,7 +61,8 @@ def count(tensor: str) -> dict[str, dict]:
         sass, registers = sass_and_registers(kernel.asm["cubin"])
         ops = collections.Counter(line.lstrip("@!%p0123456789 ").split()[0].split(".")[0] for line in body)
         out["amax" if named["AMAX_ONLY"] else "copies"] = {
-            "instructions": len(body), "sass": sass, "registers": registers, "loop_instructions": loop_instructions(ptx), "iters": named["ITERS"],
+            "instructions": len(body), "sass": sass, "registers": registers,
+            "loop_instructions": loop_instructions(ptx), "iters": named["ITERS"],
             "shared_loads": sum(line.startswith("ld.shared") for line in body),
             "shared_stores": sum(line.startswith("st.shared") for line in body),
             "layout_conversions": kernel.asm["ttgir"].count("convert_layout"),

@@ -28,7 +28,10 @@ import torch  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.common import environment, save  # noqa: E402
-from benchmarks.sm90 import by_source_line, compiled_launches, hopper_compile, sass_and_registers, source_text  # noqa: E402,E501
+from benchmarks.sm90 import by_source_line, compiled_launches, sass_and_registers, source_text  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "tests" / "kernels"))
+import hopper_compile  # noqa: E402
 from fp4lab.kernels import quantize  # noqa: E402
 
 SIZES = ("R", "L", "R_OUT", "LP", "stride_r", "stride_c")  # the int arguments a real launch has as multiples of 16

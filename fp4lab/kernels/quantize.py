@@ -3,10 +3,11 @@
 One kernel serves both formats. Each program loads a [BR, BC] tile of x through two strides, so
 quantizing along the last axis and along axis 0 of a 2D tensor (the transposed, "columnwise"
 copy TE keeps for Wgrad) are the same kernel with the strides swapped; output is always written
-in the stored layout (block axis last). Per tile: finite-masked block amax (16x16 tiles reduce
-over 16 rows too), the block scale by the format's rule (SCALE_RULE below, formulas in
-formats/nvfp4.py and formats/mxfp4.py), scale the elements, encode E2M1 (RTNE or stochastic
-with Philox bytes, one Philox call per 16 elements), pack nibbles, store codes and scale bytes.
+in the stored layout (block axis last). Per tile: block amax, NaN and Inf kept (a block holding
+one is poisoned; 16x16 tiles reduce over 16 rows too), the block scale by the format's rule
+(SCALE_RULE below, formulas in formats/nvfp4.py and formats/mxfp4.py), scale the elements,
+encode E2M1 (RTNE or stochastic with Philox bytes, one Philox call per 16 elements), pack
+nibbles, store codes and scale bytes.
 The tensor amax is a separate pass (amax.py) unless the caller supplies it; every program
 derives the per-tensor scalars from it (_tensor_terms, formats.nvfp4.nvfp4_tensor_terms' fp32
 operations one for one) and the first writes S_dec, so a call is two launches and no host sync.

@@ -85,7 +85,7 @@ def test_every_launch_compiles_for_sm90_on_the_gpu_machines_triton(tmp_path):
 
 
 def test_the_pair_instruction_count_compiles_both_passes_and_finds_the_amax_loop():
-    """benchmarks/pair_instructions.py (the pair kernel's PTX a thread, compiled for sm_90): with
+    """benchmarks/pair_instructions.py (the pair kernel's PTX and SASS a thread, compiled for sm_90): with
     every program taking PAIR_ITERS tiles, the amax pass's loop is found and is a tile's share;
     --lines names the kernels' source lines the instructions come from."""
     root = Path(__file__).resolve().parents[2]
