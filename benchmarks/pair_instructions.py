@@ -8,8 +8,9 @@ recorder, then compiles each launch for sm_90 (no GPU, no TRITON_INTERPRET) with
 real launch of these shapes is specialized on (pointers and the sizes multiples of 16), and counts
 the PTX: instructions in all, those in the amax pass's loop (one tile's worth when a program takes
 several: ``--programs 1`` makes every program take PAIR_ITERS tiles), shared-memory traffic and
-layout conversions; and the cubin's SASS instructions and registers a thread; with ``--lines N``, each launch's N source lines that compile to the most
-instructions (from the PTX's line records). The pair kernel is instruction-bound on the H100 (benchmarks/NOTES.md, the
+layout conversions; and the cubin's SASS instructions and registers a thread; with
+``--lines N``, each launch's N source lines that compile to the most instructions (from the PTX's
+line records). The pair kernel is instruction-bound on the H100 (benchmarks/NOTES.md, the
 twenty-second session), so this count is what a change to it should lower. Writes
 benchmarks/results/pair_instructions.json.
 """
