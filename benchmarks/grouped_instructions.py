@@ -29,15 +29,13 @@ from pathlib import Path
 assert os.environ.get("TRITON_INTERPRET") != "1", "the compiler is what is counted: unset TRITON_INTERPRET"
 
 import torch  # noqa: E402
-import triton  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "kernels"))
 import hopper_compile  # noqa: E402
 from benchmarks.common import environment, save  # noqa: E402
-from benchmarks.sm90 import ptx_instructions  # noqa: E402
+from benchmarks.sm90 import compiled_launches, ptx_instructions  # noqa: E402
 from fp4lab.formats.types import Format  # noqa: E402
 from fp4lab.kernels import elements, quantize  # noqa: E402
 
@@ -77,7 +75,9 @@ def search_split(ptx: str, search: range) -> tuple[int, int]:
     return once, looped
 
 
-def launches(experts: int) -> dict:
+def launches(experts: int) -> list:
+    """The grouped quantize and amax launches of one MoE projection's step, compiled for sm_90
+    (sm90.compiled_launches; pointers 16-byte aligned, sizes as they come)."""
     x = torch.randn(64 * experts, 512, dtype=torch.bfloat16)
     counts = torch.full((experts,), 64, dtype=torch.int64)
     widths = (counts + 31) // 32 * 32
@@ -88,7 +88,8 @@ def launches(experts: int) -> dict:
                                    rounding="stochastic")
         hopper_compile.launch_only(quantize.grouped_column_block_values, x, Format.NVFP4, widths, [0] * experts,
                                    rows=counts, hadamard="random", hadamard_seeds=torch.arange(experts))
-    return hopper_compile.record(work)
+    # (the small table launches of kernels.groups left out)
+    return compiled_launches(work, (), only=("_fp4_quantize_kernel", "_grouped_amax_kernel"))
 
 
 def main() -> None:
@@ -99,16 +100,7 @@ def main() -> None:
     search = _group_of_lines()
     steps = max(1, math.ceil(math.log2(args.experts)))
     results = {}
-    for fn, types, constexprs, options, _ in launches(args.experts).values():
-        if fn.__name__ not in ("_fp4_quantize_kernel", "_grouped_amax_kernel"):
-            continue  # (the small table launches of kernels.groups)
-        named = {fn.arg_names[i[0]]: v for i, v in constexprs.items()}
-        # every pointer 16-byte aligned, not the recorder's attributes (a seed slice of these small
-        # test shapes may be unaligned): the counts stay comparable with those published before
-        attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
-                 if types[name] != "constexpr" and types[name].startswith("*")}
-        kernel = triton.compile(ASTSource(fn=fn, signature=types, constexprs=constexprs, attrs=attrs),
-                                target=hopper_compile.HOPPER, options=options)
+    for fn, named, _, kernel in launches(args.experts):
         ptx = kernel.asm["ptx"]
         once, looped = search_split(ptx, search)
         name = fn.__name__ if fn.__name__ == "_grouped_amax_kernel" else (

@@ -36,13 +36,16 @@ import hopper_compile  # noqa: E402
 _TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
 
-def compiled_launches(work, sizes: tuple[str, ...]):
+def compiled_launches(work, sizes: tuple[str, ...], only: tuple[str, ...] | None = None):
     """-> [(kernel, {constexpr name: value}, launch options, the compiled kernel)] for each distinct
-    launch ``work()`` makes, compiled for sm_90 with every pointer and the ``sizes`` int arguments
-    16-divisible (what a real launch of a large shape is specialized on; not the recorder's
-    attributes, whose small test shapes may leave a seed slice unaligned)."""
+    launch ``work()`` makes (of the kernels named in ``only``, where given), compiled for sm_90 with
+    every pointer and the ``sizes`` int arguments 16-divisible (what a real launch of a large shape
+    is specialized on; not the recorder's attributes, whose small test shapes may leave a seed
+    slice unaligned)."""
     out = []
     for fn, types, constexprs, options, _ in hopper_compile.record(lambda: hopper_compile.launch_only(work)).values():
+        if only is not None and fn.__name__ not in only:
+            continue
         attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
                  if types[name] != "constexpr" and (types[name].startswith("*") or name in sizes)}
         kernel = triton.compile(ASTSource(fn=fn, signature=types, constexprs=constexprs, attrs=attrs),
