@@ -18,7 +18,8 @@ Writes benchmarks/results/model.json (d12; other models model_<name>.json) and t
 of latest.json: <name>_<arm>_step_over_bf16 (eager), <name>_<arm>_step_over_bf16_compiled (and _graphed),
 and BF16's tokens/s in each mode, <name>_bf16_tokens_per_s[_<mode>].
 Each row also has the arm's peak memory while it was built and warmed (weights, optimizer state,
-activations or a graph's pool), e.g. to see what the pair kernel's kept wgrad copy of x costs.
+activations or a graph's pool), e.g. to see what the pair kernel's kept wgrad copy of x costs, and
+the seconds that took (``warm_s``: in the compiled modes mostly compiling, the wait a user sees).
 """
 
 from __future__ import annotations
@@ -131,13 +132,18 @@ def time_mode(mode: str, args, tokens: int) -> dict[str, dict]:
     their graphs' pools) are released before the next mode is built, and dynamo's cache emptied
     (a mode's frames would count toward the next one's recompile limit)."""
     torch.compiler.reset()
-    steps, peak_mib = {}, {}
+    steps, peak_mib, warm_s = {}, {}, {}
     for arm in args.arms:
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
+        begin = time.perf_counter()
         steps[arm] = make_step(arm, mode, args)
         timed_median(steps[arm], 0, args.warmup)
+        warm_s[arm] = time.perf_counter() - begin  # (compiled modes: mostly compiling; what a user waits)
+        if args.compile_times and mode.startswith("compiled"):  # where the compile's seconds went, this arm's
+            print(f"{arm} {mode} compile times (s):\n{torch._dynamo.utils.compile_times(aggregate=True)}", flush=True)
+            torch._dynamo.utils.compilation_time_metrics.clear()
         # what this arm holds at its peak: weights, optimizer state, activations (a graph's pool)
         peak_mib[arm] = (torch.cuda.max_memory_allocated() - before) / 2**20
     medians: dict[str, list[float]] = {arm: [] for arm in args.arms}
@@ -155,12 +161,12 @@ def time_mode(mode: str, args, tokens: int) -> dict[str, dict]:
         ratios = [m / b for m, b in zip(medians[arm], base)] if base else None
         row = rows[f"{arm}/{mode}"] = {
             "arm": arm, "mode": mode, "step_ms": ms, "round_ms": medians[arm],
-            "tokens_per_s": tokens / ms * 1e3, "peak_mib": peak_mib[arm],
+            "tokens_per_s": tokens / ms * 1e3, "peak_mib": peak_mib[arm], "warm_s": warm_s[arm],
             "over_bf16": statistics.median(ratios) if ratios else None,
             "over_bf16_range": [min(ratios), max(ratios)] if ratios else None}
         spread = f" (rounds {min(ratios):.2f}-{max(ratios):.2f})" if ratios and arm != "bf16" else ""
         print(f"{args.model} {arm:12s} {mode:8s} {ms:8.1f} ms/step  {row['tokens_per_s']:9.0f} tok/s  "
-              f"peak {row['peak_mib']:7.0f} MiB  "
+              f"peak {row['peak_mib']:7.0f} MiB  built+warmed in {warm_s[arm]:4.0f} s  "
               f"x{row['over_bf16'] or 1:.2f} of bf16 {mode}{spread}", flush=True)
     return rows
 
@@ -171,6 +177,8 @@ def main() -> None:
     parser.add_argument("--arms", nargs="*", default=list(ARMS))
     parser.add_argument("--modes", nargs="*", default=["eager", "compiled"], choices=["eager", "compiled", "graphed", "compiled_graphed"])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--compile-times", action="store_true",
+                        help="print dynamo's and Inductor's compile seconds by phase, per compiled arm")
     args = parser.parse_args()
     tokens = args.batch * args.seq
     rows: dict[str, dict] = {}
