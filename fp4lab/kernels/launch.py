@@ -35,7 +35,9 @@ Traced: where torch.compile traces a call (a traced op of nn.ops: its tensors ar
 no memory), a launch is recorded with ``torch.library.wrap_triton`` instead, and Inductor's
 generated code makes it at run time, with its own launcher. A host TMA descriptor cannot be
 recorded (torch does not capture one outside dynamo): kernels.matmul's persistent GEMM makes its
-descriptors on the device there.
+descriptors on the device there. torch works out what a recorded launch writes by compiling the
+kernel to Triton IR, at every call site, several times; kernels.traced_accesses keeps the answer
+per specialization.
 
 Public: ``cached``.
 """
@@ -45,6 +47,7 @@ from __future__ import annotations
 import torch
 
 from .host import tracing
+from .traced_accesses import remember
 
 _UNKNOWN = object()
 _TRACED = object()  # a tracer's tensor among the arguments: the launch is recorded (module doc)
@@ -147,6 +150,7 @@ class _Cached:
             self._constexpr = tuple(p.is_constexpr for p in self.kernel.params)
         signature = _signature(args, self._constexpr)  # (None: a call the cache does not take)
         if signature is _TRACED:
+            remember(self.kernel)  # (torch's analysis of what it writes, worked out once: traced_accesses)
             return torch.library.wrap_triton(self.kernel)[grid](*args, **kwargs)
         if callable(grid):
             return self.kernel[grid](*args, **kwargs)
