@@ -2,6 +2,7 @@
 # What a session runs on the lent GPU, phase by phase, in one call:
 #   scripts/gpu_call.sh env train-tests demo study:formats study:stiction ... report
 #   scripts/gpu_call.sh env pair-tests bench:quantize sweep    then    bench:linear model-pair
+#   WORKERS=4 scripts/gpu_call.sh env tests
 # Every run directory lands under results/ (tracked: a later call skips the runs already there);
 # $OUT/results.tgz brings back receipts, metrics, reports and plots (never checkpoints).
 # BUDGET (seconds, default 540) bounds the study phases so that the report and tar still run.
@@ -43,6 +44,10 @@ for phase in "$@"; do
          done
          python3 -m fp4lab report results/gpt-d12/bf16 results/gpt-d12/nvfp4 --out results/gpt-d12 --title "d12 GPT" ;;
     kernel-tests) python3 -m pytest tests/kernels tests/nn -p no:cacheprovider 2>&1 | tee "$OUT/pytest_kernels_nn_gpu.log" | tail -3 ;;
+    tests) # the GPU-capable suites in $WORKERS processes (pytest-xdist); -v streams each test's outcome to
+         # the log as it comes, so a run the call's limit cuts short still names its failures
+         python3 -m pytest -n "${WORKERS:-4}" -v -rfE --tb=short -p no:cacheprovider tests/kernels tests/nn tests/train \
+           2>&1 | grep --line-buffered -v "PytestBenchmarkWarning\|warner(" | tee "$OUT/pytest_gpu.log" | grep -E "FAILED|ERROR|passed|failed" | tail -40 ;;
     pair-tests) # the pair kernel (a linear's two copies from one read) and GraphedStep's autocast, on CUDA
          # (-k would filter every listed file: the pair's kernel tests by name, the layer and capture whole)
          { python3 -m pytest tests/kernels/test_quantize.py -k pair -p no:cacheprovider
