@@ -5,9 +5,9 @@ does not say what it writes. torch finds out by compiling the kernel to Triton I
 IR (``torch._higher_order_ops.triton_kernel_wrap.identify_accessed_tensors``;
 ``identify_mutated_tensors`` in torch 2.11), and asks at every recorded launch, then again at each
 lowering step that meets the launch: two to four compiles a call site. A compiled d12 FP4 step
-records about 300 launches of a dozen distinct specializations, and one such compile takes 0.1 to
-0.4 s on a CPU (the pair kernel's copies pass the longest): minutes of compiling spent answering
-the same question.
+records about 300 launches of a few dozen distinct specializations (its layers repeat four shapes),
+and one such compile takes 0.1 to 0.4 s on a CPU (the pair kernel's copies pass the longest):
+minutes of compiling spent answering the same question.
 
 The answer depends on nothing but the kernel and what that compile specializes on. torch stands
 an empty two-element tensor of the same dtype in for each tensor, and 2 for each symbolic size, so
