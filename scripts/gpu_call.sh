@@ -56,6 +56,10 @@ for phase in "$@"; do
     model-pair) # d12 graphed and compiled+graphed, with and without the pair, in the same rounds
          timeout "$(left)" python3 benchmarks/bench_model.py --arms bf16 nvfp4 nvfp4:single \
            --modes graphed compiled_graphed 2>&1 | tee "$OUT/bench_model_pair.log" | tail -8 ;;
+    model-compiled) # d12 compiled: BF16, NVFP4 (Python wrapper) and NVFP4 under the C++ wrapper, each arm's compile
+         # seconds by phase (--compile-times) and in its row (warm_s)
+         timeout "$(left)" python3 benchmarks/bench_model.py --modes compiled --arms bf16 nvfp4 nvfp4:cpp --compile-times \
+           2>&1 | grep --line-buffered -v Warn | tee "$OUT/bench_model_compiled.log" | grep -E "ms/step|compile_inner|compile_fx_inner|async_compile.wait" ;;
     model) timeout "$(left)" python3 benchmarks/bench_model.py --arms bf16 nvfp4 mxfp4 2>&1 | tee "$OUT/bench_model.log" | tail -4
            timeout "$(left)" python3 benchmarks/bench_model.py --model moe64 --batch 8 --seq 1024 --arms bf16 nvfp4 \
              --steps 10 2>&1 | tee "$OUT/bench_model_moe64.log" | tail -3 ;;
