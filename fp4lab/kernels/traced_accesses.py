@@ -6,12 +6,13 @@ IR (``torch._higher_order_ops.triton_kernel_wrap.identify_accessed_tensors``;
 ``identify_mutated_tensors`` in torch 2.11), and asks at every recorded launch, then again at each
 lowering step that meets the launch: two to four compiles a call site. A compiled d12 FP4 step
 records about 300 launches of a few dozen distinct specializations (its layers repeat four shapes),
-and one such compile takes 0.1 to 0.4 s on a CPU (the pair kernel's copies pass the longest):
+and one such compile takes 0.02 to 0.4 s on a CPU (the pair kernel's copies pass the longest):
 minutes of compiling spent answering the same question.
 
-The answer depends on nothing but the kernel and what that compile specializes on. torch stands
-an empty two-element tensor of the same dtype in for each tensor, and 2 for each symbolic size, so
-the specialization is each tensor's dtype, each other argument's value, and the TMA metadata.
+The answer depends on nothing but the kernel, the target Triton compiles for (the current
+device's) and what that compile specializes on. torch stands an empty two-element tensor of the
+same dtype in for each tensor, and 2 for each symbolic size, so the specialization is each
+tensor's dtype, each other argument's value, and the TMA metadata.
 ``remember(kernel)`` has torch's analysis kept for that kernel under such a key, computed by
 torch's own function the first time and handed out as a copy after. Only kernels passed to
 ``remember`` use it (kernels.launch passes fp4lab's, as it records them); another kernel, a
@@ -39,6 +40,9 @@ def remember(kernel) -> None:
     in torch's module the first time."""
     global _installed
     _KERNELS[id(kernel)] = kernel
+    inner = getattr(kernel, "fn", None)  # an autotuned kernel: Inductor's lowering asks about the function inside
+    if getattr(kernel, "configs", None) is not None and inner is not None:
+        _KERNELS[id(inner)] = inner
     if not _installed:
         _installed = True
         _install()
@@ -79,13 +83,26 @@ def _key(kernel, kwargs: dict, tma_descriptor_metadata) -> tuple | None:
     """What torch's analysis of this launch depends on, or None where it is not kept."""
     if _KERNELS.get(id(kernel)) is not kernel or tma_descriptor_metadata:
         return None
+    target = _target()
+    if target is None:
+        return None
     parts = []
     for name, value in kwargs.items():
         part = _arg_key(value)
         if part is None:
             return None
         parts.append((name, part))
-    return id(kernel), tuple(sorted(parts, key=lambda p: p[0]))
+    return id(kernel), target, tuple(sorted(parts, key=lambda p: p[0]))
+
+
+def _target() -> str | None:
+    """The target torch's analysis compiles for (the current device's), or None without a driver
+    (torch's analysis then fails the same way each time, and is asked each time)."""
+    try:
+        import triton
+        return repr(triton.runtime.driver.active.get_current_target())
+    except Exception:  # noqa: BLE001
+        return None
 
 
 def _arg_key(value):

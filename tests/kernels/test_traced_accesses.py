@@ -25,48 +25,78 @@ def _counting():
     return original, calls
 
 
-def test_kept_per_kernel_and_specialization():
-    original, calls = _counting()
-    analysis = traced_accesses.kept_analysis(original)
-    ours, theirs = _Kernel(), _Kernel()
-    traced_accesses._KERNELS[id(ours)] = ours  # (what remember does, without touching torch's module)
-    try:
-        with FakeTensorMode():
-            a, b = torch.empty(64, 32, dtype=torch.bfloat16), torch.empty(8, dtype=torch.float32)
-            c = torch.empty(4096, 32, dtype=torch.bfloat16)  # another shape, the same dtype
-        first = analysis(ours, dict(x=a, out=b, M=64, BLOCK=16, SR=True), {})
-        again = analysis(ours, dict(out=b, x=c, M=64, BLOCK=16, SR=True), {})  # keyword order, shape: the same key
-        assert again == first and again is not first and len(calls) == 1
-        for changed in (dict(M=65), dict(BLOCK=32), dict(SR=False), dict(x=b), dict(M=64.0)):
-            analysis(ours, {**dict(x=a, out=b, M=64, BLOCK=16, SR=True), **changed}, {})
-        assert len(calls) == 6  # each a specialization of its own
-        # not kept: another kernel, a launch with TMA metadata, a real tensor, an unknown object
-        analysis(theirs, dict(x=a), {})
-        analysis(theirs, dict(x=a), {})
-        analysis(ours, dict(x=a), {"x": ("stable", ([64, 32],))})
-        analysis(ours, dict(x=torch.empty(4)), {})
-        analysis(ours, dict(x=a, grid=object()), {})
-        assert len(calls) == 11
-    finally:
-        traced_accesses._KERNELS.pop(id(ours))
+@pytest.fixture
+def hopper(monkeypatch):
+    """A driver's target for the key (none on this machine), switchable by the test."""
+    target = {"now": "GPUTarget(backend='cuda', arch=90, warp_size=32)"}
+    monkeypatch.setattr(traced_accesses, "_target", lambda: target["now"])
+    return target
 
 
-def test_a_symbolic_size_is_one_specialization():
+@pytest.fixture
+def ours():
+    """Kernels registered as remember registers them, without touching torch's module."""
+    kernels = [_Kernel(), _Kernel()]
+    for k in kernels:
+        traced_accesses._KERNELS[id(k)] = k
+    yield kernels
+    for k in kernels:
+        traced_accesses._KERNELS.pop(id(k))
+
+
+def test_kept_per_kernel_and_specialization(hopper, ours):
     original, calls = _counting()
     analysis = traced_accesses.kept_analysis(original)
-    ours = _Kernel()
-    traced_accesses._KERNELS[id(ours)] = ours
+    kernel, other = ours
+    with FakeTensorMode():
+        a, b = torch.empty(64, 32, dtype=torch.bfloat16), torch.empty(8, dtype=torch.float32)
+        c = torch.empty(4096, 32, dtype=torch.bfloat16)  # another shape, the same dtype
+    base = dict(x=a, out=b, M=64, BLOCK=16, SR=True)
+    first = analysis(kernel, base, {})
+    again = analysis(kernel, dict(out=b, x=c, M=64, BLOCK=16, SR=True), {})  # keyword order, shape: the same key
+    assert again == first and again is not first and len(calls) == 1
+    for changed in (dict(M=65), dict(BLOCK=32), dict(SR=False), dict(x=b), dict(M=64.0)):
+        analysis(kernel, {**base, **changed}, {})
+    assert len(calls) == 6  # each a specialization of its own
+    # each of these differs from a kept call in one thing alone, and is asked afresh every time
+    for _ in range(2):
+        analysis(other, base, {})  # another kernel
+        analysis(_Kernel(), base, {})  # a kernel never remembered
+        analysis(kernel, base, {"x": ("stable", ([64, 32],))})  # TMA metadata
+        analysis(kernel, {**base, "x": torch.empty(64, 32, dtype=torch.bfloat16)}, {})  # a real tensor
+        analysis(kernel, {**base, "grid": object()}, {})  # an unknown kind
+    assert len(calls) == 6 + 1 + 2 * 4  # (the other kernel's first answer is kept, like any)
+    hopper["now"] = "GPUTarget(backend='cuda', arch=100, warp_size=32)"  # another device's target
+    analysis(kernel, base, {})
+    assert len(calls) == 16
+    hopper["now"] = None  # no driver: never kept
+    analysis(kernel, base, {})
+    analysis(kernel, base, {})
+    assert len(calls) == 18
+
+
+def test_a_symbolic_size_is_one_specialization(hopper, ours):
+    original, calls = _counting()
+    analysis = traced_accesses.kept_analysis(original)
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    env = ShapeEnv()
+    analysis(ours[0], dict(M=env.create_unbacked_symint()), {})
+    analysis(ours[0], dict(M=env.create_unbacked_symint()), {})  # (torch compiles 2 for either)
+    analysis(ours[0], dict(M=2), {})  # a plain 2 is a value, not a symbol
+    assert len(calls) == 2
+
+
+def test_an_autotuned_kernel_is_remembered_with_its_function(monkeypatch):
+    """Inductor's lowering asks about the function inside an autotuner, its tracing about the autotuner."""
+    monkeypatch.setattr(traced_accesses, "_installed", True)  # (torch's module left alone)
+    tuned = _Kernel()
+    tuned.fn, tuned.configs = _Kernel(), []
+    traced_accesses.remember(tuned)
     try:
-        from torch.fx.experimental.symbolic_shapes import ShapeEnv
-        env = ShapeEnv()
-        m1 = env.create_unbacked_symint()
-        m2 = env.create_unbacked_symint()
-        analysis(ours, dict(M=m1), {})
-        analysis(ours, dict(M=m2), {})  # (torch compiles 2 for either)
-        analysis(ours, dict(M=2), {})  # a plain 2 is a value, not a symbol
-        assert len(calls) == 2
+        assert traced_accesses._KERNELS[id(tuned)] is tuned and traced_accesses._KERNELS[id(tuned.fn)] is tuned.fn
     finally:
-        traced_accesses._KERNELS.pop(id(ours))
+        traced_accesses._KERNELS.pop(id(tuned))
+        traced_accesses._KERNELS.pop(id(tuned.fn))
 
 
 _REAL = """
@@ -88,6 +118,15 @@ from fp4lab.formats.types import Format
 from fp4lab.kernels import amax, quantize, traced_accesses
 from torch._higher_order_ops import triton_kernel_wrap as wrap
 
+# kernels.launch registers a kernel as it records a launch under a tracer (a fake tensor here)
+assert not traced_accesses._KERNELS
+with FakeTensorMode():
+    amax.finite_amax(torch.empty(128, 64, dtype=torch.bfloat16))
+assert [k.__name__ for k in traced_accesses._KERNELS.values()] == ["_finite_amax_kernel"], traced_accesses._KERNELS
+assert not launches  # (recorded, not launched)
+name = next(n for n in traced_accesses._ANALYSES if hasattr(wrap, n))
+assert getattr(wrap, name).keeps_fp4lab_kernels
+
 x = torch.randn(128, 64).to(torch.bfloat16)
 nv = dict(block=(1, 16))
 for rows, columns in ((nv, dict(hadamard="random", hadamard_seed=2, **nv)),
@@ -95,8 +134,7 @@ for rows, columns in ((nv, dict(hadamard="random", hadamard_seed=2, **nv)),
     quantize.block_values_pair(x, Format.NVFP4, rows=rows, columns=columns, columns_len=128)
 quantize.nvfp4_block_values(x, rounding="stochastic", seed=5)
 amax.finite_amax(x)
-name = next(n for n in traced_accesses._ANALYSES if hasattr(wrap, n))
-original = getattr(wrap, name)
+original = getattr(wrap, name).__wrapped__  # (torch's own, under the kept one: functools.wraps)
 mode = FakeTensorMode()
 seen = set()
 for fn, args, kwargs in launches:
@@ -105,7 +143,6 @@ for fn, args, kwargs in launches:
     expected = original(fn, dict(kw), {})
     traced_accesses.remember(fn)
     kept = getattr(wrap, name)
-    assert kept is not original and kept.keeps_fp4lab_kernels
     first = kept(fn, dict(kw), {})
     begin = time.perf_counter()
     again = kept(fn, dict(kw), {})
