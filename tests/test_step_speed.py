@@ -20,7 +20,8 @@ def _row(text: str, label: str) -> list[str]:
 def test_the_table_divides_the_runs_judges_the_targets_and_names_each_run(tmp_path):
     arms = {"bf16/eager": {"step_ms": 10.0}, "nvfp4/eager": {"step_ms": 12.0},
             "bf16/compiled": {"step_ms": 5.0}, "nvfp4/compiled": {"step_ms": 9.0},
-            "nvfp4:cpp/compiled": {"step_ms": 6.0}}
+            "nvfp4:cpp/compiled": {"step_ms": 6.0},
+            "bf16/compiled_graphed": {"step_ms": 4.0}, "nvfp4/compiled_graphed": {"step_ms": 5.0}}
     _write(tmp_path, "model.json", "abc1234", arms=arms)
     _write(tmp_path, "model_moe64.json", "abc1234",
            arms={"bf16/eager": {"step_ms": 50.0, "tokens_per_s": 160e3}})
@@ -28,7 +29,10 @@ def test_the_table_divides_the_runs_judges_the_targets_and_names_each_run(tmp_pa
     text = step_speed.table(tmp_path)
     eager = _row(text, "d12 step, NVFP4 / BF16, eager (16 x 1024 tokens)")
     assert eager[1] == "1.20x" and eager[3] == "yes" and "abc1234" in eager[5]
-    assert _row(text, "d12 step, compiled, against compiled BF16")[1:4] == ["1.80x", "at most 1.30x", "no"]
+    assert eager[4] == "-"  # (no graphed arms in the run: no GPU-alone figure)
+    compiled = _row(text, "d12 step, compiled, against compiled BF16")
+    assert compiled[1:4] == ["1.80x", "at most 1.30x", "no"]
+    assert compiled[4] == "1.25x the GPU's work alone (both graphed)"  # the compiled + graphed arms' 5 / 4
     cpp = _row(text, "the same, FP4 compiled under Inductor's C++ wrapper (`cpp_wrapper=true`)")
     assert cpp[1:4] == ["1.20x", "at most 1.30x", "yes"]  # against the Python wrapper's BF16 (as users compile)
     assert _row(text, "d12 step, graphed")[1] == "not measured"  # the mode was not run
