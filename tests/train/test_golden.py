@@ -72,16 +72,8 @@ def _run(token_file, out, model: str, recipe: str, overrides: dict) -> dict:
     return {"train": [loss for _, loss in receipt["train_curve"]], "val": [e["val_loss"] for e in receipt["evals"]]}
 
 
-@pytest.fixture
-def on_the_cpu(monkeypatch):
-    """The curves are CPU runs (the reference kernels, a float32 BLAS). On a machine with a GPU
-    the trainer would take the GPU, whose kernels and autocast round otherwise: its curves match
-    none recorded, whatever the code."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-
-
 @pytest.mark.parametrize("name", list(RUNS))
-def test_loss_curve_matches_golden(name, token_file, tmp_path, on_the_cpu):
+def test_loss_curve_matches_golden(name, token_file, tmp_path):  # (CPU runs, on any machine: conftest)
     got = _run(token_file, tmp_path / name, *RUNS[name])
     golden = json.loads(GOLDEN.read_text()) if GOLDEN.exists() else {}
     by_cpu = json.loads(BY_CPU.read_text()) if BY_CPU.exists() else {}

@@ -13,6 +13,7 @@ from fp4lab.nn.gemms import QuantContext
 from fp4lab.nn.recipe import preset
 from fp4lab.train.graphed import GraphedStep
 
+USES_THE_GPU = True  # (conftest: the other trainer tests hide it)
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 WARMUP = 3
 

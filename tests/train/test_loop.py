@@ -14,6 +14,8 @@ from fp4lab.train.loop import RunState, TrainConfig, train
 from fp4lab.train.receipt import Receipt
 from fp4lab.train.report import gap_table, load_receipts, report
 
+from .distributed import torchrun
+
 
 def _cfg(token_file, out, **kw) -> TrainConfig:
     base = dict(out=str(out), model="tiny", data=str(token_file), steps=12, batch_size=8, seq_len=32,
@@ -160,7 +162,6 @@ def test_a_save_cut_between_its_renames_is_recovered_on_resume(token_file, tmp_p
     in place. --resume puts the previous one back and continues exactly as an uninterrupted run."""
     from pathlib import Path
 
-    from fp4lab.train import checkpoint as ckpt_mod
     full = train(_cfg(token_file, tmp_path / "full", steps=8, eval_every=4, ckpt_every=4))
     train(_cfg(token_file, tmp_path / "run", steps=8, eval_every=4, ckpt_every=4, stop_at=4))
     real_rename = Path.rename
@@ -236,18 +237,11 @@ def test_two_ranks_match_one_with_the_same_global_batch(token_file, tmp_path, mo
     """torchrun, 2 CPU ranks (gloo): each reads half of every global batch and DDP averages the
     gradients, so BF16 matches 1 rank up to float summation order. FP4 is close, not equal: each
     rank takes its tensor scales (amax) over its own half of the batch, as TE does per rank."""
-    import os
-    import subprocess
-    import sys
     args = ["train", "--data", str(token_file), "--steps", "6", "--model", model, "--recipe", recipe,
             "--set", "batch_size=8",
             "--set", "seq_len=32", "--set", "eval_every=3", "--set", "progress=false"]
-    for n in (1, 2):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n), "--master_port",
-               str(29400 + n), "-m", "fp4lab", *args, "--out", str(tmp_path / f"r{n}")]
-        done = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                              timeout=300)
-        assert done.returncode == 0, done.stderr[-2000:]
+    for n in (1, 2):  # (a free port each: fixed ones collided between parallel test processes)
+        torchrun(n, "-m", "fp4lab", *args, "--out", str(tmp_path / f"r{n}"))
     one, two = (Receipt.load(tmp_path / f"r{n}") for n in (1, 2))
     assert two.world == 2 and one.world == 1 and two.config == one.config | {"out": two.config["out"]}
     for (s1, l1), (s2, l2) in zip(one.train_curve, two.train_curve, strict=True):
