@@ -29,7 +29,7 @@ import functools
 
 import torch
 
-# torch's analysis, by its name in torch.compile's versions: 2.12 on, then 2.11
+# torch's analysis, by its name in torch 2.13 (identify_accessed_tensors) and in 2.11
 _ANALYSES = ("identify_accessed_tensors", "identify_mutated_tensors")
 _KERNELS: dict[int, object] = {}  # id -> kernel, for the kernels whose analyses are kept (held: ids stay theirs)
 _installed = False
